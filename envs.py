@@ -1,0 +1,610 @@
+"""The randomized G1 motion-tracking environment of HoRD, on Isaac Lab and on Genesis, one interface.
+
+    env = make_env(sim="genesis", num_envs=64, motions="data/packets/g1_moves", dr=DR(), terrain="mix")
+    obs = env.reset()
+    obs, reward, done, info = env.step(alpha)          # alpha: PD targets [N, 29] rad (MuJoCo joint order)
+
+The task (reference motion, observations, rewards, termination, episode-level domain randomization psi) is
+written once, in batched torch, above a thin per-engine adapter (`GenesisSim`, `IsaacLabSim`) that only
+steps physics, applies joint torques and reads/writes state. Physics runs at 200 Hz; the policy at 50 Hz
+(decimation 4); PD control tau = kp * (alpha - q) - kd * qdot is computed here at every physics step, so the
+control law, the delay line and the gain randomization are identical on both engines.
+
+Observation table (per env; P=535, F=569, G=121, S=64, J=len(ssjr.KEYPOINT_NAMES)):
+| key               | shape        | content (heading frame = root frame with yaw only)                          |
+|-------------------|--------------|-----------------------------------------------------------------------------|
+| proprio           | [5, P]       | teacher, privileged, steps t-4..t: root height above terrain (1), body pos   |
+|                   |              | rel. root w/o pelvis (29x3), body rot6d (30x6), body lin vel (30x3), body    |
+|                   |              | ang vel (30x3), dof pos (29), dof vel (29), last PD target alpha (29)       |
+| future            | [8, F]       | teacher, reference at t+1..t+8 per body: pos rel. robot root (3), pos minus |
+|                   |              | current body pos (3), rot6d (6), lin vel (3), ang vel (3) = 30x18; ref dof  |
+|                   |              | pos (29)                                                                    |
+| ref_dof_pos       | [29]         | teacher, reference joint positions at t+1 (centre of the residual action)   |
+| terrain           | [G]          | g_t: 11x11 height scan, 0.1 m grid around the root, root z minus ground z   |
+| history           | [K, S+29]    | H_t for HCDR, oldest first: sparse state s (dof pos, dof vel, root ang vel  |
+|                   |              | in root frame, projected gravity) and the PD target alpha chosen in it       |
+| history_mask      | [K]          | True where the history entry exists (False before the episode start)        |
+| student_proprio   | [8, S+29]    | student, steps t-7..t: sparse state s and last alpha (no privileged terms)  |
+| student_keypoints | [10, J*3]    | student, SSJR keypoints Y at t-7..t+2, relative to the robot root (heading) |
+| critic            | [C]          | privileged: proprio_t, future (flat), terrain, psi (9)                      |
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import ssjr
+from ssjr import quat_apply, quat_conj, quat_mul, rot6d, yaw_quat
+
+PHYSICS_DT_S = 0.005  # 200 Hz physics
+DECIMATION = 4  # 50 Hz policy
+CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
+
+# PD gains (kp N m/rad, kd N m s/rad) and effort limits (N m), per joint group. Paper: hips 100, knees 200, waist 400,
+# shoulders 60-90, damping 0.1-5; the rest follows the authors' earlier code (ankles 20/0.2, wrists 4/0.2).
+# Effort limits are the G1 motors' (7520-14: 88, 7520-22: 139, 5020: 25, 2x5020: 50, 4010: 5).
+GAINS = {  # joint-name fragment: (kp, kd, effort limit)
+    "hip_pitch": (100.0, 2.5, 88.0), "hip_roll": (100.0, 2.5, 139.0), "hip_yaw": (100.0, 2.5, 88.0),
+    "knee": (200.0, 5.0, 139.0), "ankle_pitch": (20.0, 0.2, 50.0), "ankle_roll": (20.0, 0.2, 50.0),
+    "waist_yaw": (400.0, 5.0, 88.0), "waist_roll": (400.0, 5.0, 50.0), "waist_pitch": (400.0, 5.0, 50.0),
+    "shoulder_pitch": (90.0, 2.0, 25.0), "shoulder_roll": (60.0, 2.0, 25.0), "shoulder_yaw": (20.0, 1.0, 25.0),
+    "elbow": (60.0, 1.0, 25.0), "wrist_roll": (4.0, 0.2, 25.0), "wrist_pitch": (4.0, 0.2, 5.0),
+    "wrist_yaw": (4.0, 0.2, 5.0),
+}
+ARMATURE = 0.03  # kg m^2, every joint (authors' earlier code)
+JOINT_FRICTION = 0.03  # N m, dry friction (frictionloss)
+JOINT_DAMPING = 0.05  # N m s/rad, passive joint damping (on top of the PD's kd)
+
+
+def joint_table(device="cpu"):
+    """kp, kd, effort limit as [29] tensors in ssjr.DOF_NAMES order."""
+    rows = [next(v for k, v in GAINS.items() if name.endswith(k + "_joint")) for name in ssjr.DOF_NAMES]
+    kp, kd, lim = torch.tensor(rows, device=device).T
+    return kp, kd, lim
+
+
+# Reward (paper App. C): r = sum_i w_i exp(c_i * err_i) - 5e-6 * sum |tau * qdot|; err_i are mean squared errors.
+REWARD_WEIGHTS = {"gt": 0.5, "gr": 0.4, "gv": 0.1, "gav": 0.1, "rh": 0.2,
+                  "rt": 0.2}  # the paper gives RT's coefficient (-120) but no weight: 0.2 is ours (as RH)
+REWARD_COEFFS = {"gt": -100.0, "gr": -10.0, "gv": -0.5, "gav": -0.1, "rh": -100.0,
+                 "rt": -120.0}  # GV/GAV coefficients are not in the paper: ProtoMotions' defaults
+POWER_PENALTY = 5e-6
+TERMINATION_ERR_M = 0.5  # max global body-position error that ends an episode (irreversible divergence)
+
+
+@dataclass
+class DR:
+    """Episode-level domain randomization ranges (paper Table 5): psi is sampled per env at reset, fixed for the episode."""
+    delay_steps: tuple[int, int] = (0, 3)
+    """control delay, physics steps (inclusive integer range)"""
+    mass_scale: tuple[float, float] = (0.9, 1.1)
+    """scale of every body's mass"""
+    joint_scale: tuple[float, float] = (0.9, 1.1)
+    """scale of joint damping, armature and friction"""
+    kp_scale: tuple[float, float] = (0.9, 1.1)
+    """scale of the PD stiffness"""
+    kd_scale: tuple[float, float] = (0.9, 1.1)
+    """scale of the PD damping"""
+    gravity_mps2: tuple[float, float] = (9.7, 9.9)
+    """magnitude of gravity (down)"""
+    friction: tuple[float, float] = (0.6, 1.2)
+    """ground-foot friction coefficient (the paper names the term, not its range)"""
+    com_offset_m: float = 0.03
+    """torso centre-of-mass shift, uniform in +-this per axis"""
+    push_interval_s: tuple[float, float] = (5.0, 10.0)
+    """time between pushes"""
+    push_vel_mps: float = 0.8
+    """largest horizontal root-velocity kick of a push"""
+
+
+PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction",
+            "com_offset_x_m", "com_offset_y_m", "com_offset_z_m")
+
+
+def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+    """psi ~ P(Psi) for n episodes; dr=None gives the nominal dynamics (the 'w/o DR' ablation, and clean evaluation)."""
+    def u(lo_hi):
+        lo, hi = lo_hi
+        return lo + (hi - lo) * torch.rand(n, generator=gen, device=device)
+    if dr is None:
+        psi = {k: torch.ones(n, device=device) for k in PSI_KEYS}
+        psi["delay_steps"] = torch.zeros(n, device=device)
+        psi["gravity_mps2"] = torch.full((n,), 9.81, device=device)
+        psi["friction"] = torch.ones(n, device=device)
+        for a in "xyz":
+            psi[f"com_offset_{a}_m"] = torch.zeros(n, device=device)
+        return psi
+    psi = {"delay_steps": torch.randint(dr.delay_steps[0], dr.delay_steps[1] + 1, (n,), generator=gen,
+                                        device=device).float()}
+    for k in ("mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction"):
+        psi[k] = u(getattr(dr, k))
+    for a in "xyz":
+        psi[f"com_offset_{a}_m"] = u((-dr.com_offset_m, dr.com_offset_m))
+    return psi
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Terrain: one heightfield of square tiles shared by all envs; each env spawns on a tile drawn from the mix.
+# ----------------------------------------------------------------------------------------------------------------
+TERRAIN_TYPES = ("flat", "smooth_slope", "rough_slope")
+TERRAIN_MIX = {"flat": 0.5, "smooth_slope": 0.25, "rough_slope": 0.25}  # paper's training mix
+
+
+@dataclass
+class Terrain:
+    """A heightfield (z up) made of `tiles` (row-major types), and the spawn point of each tile."""
+    heights_m: np.ndarray  # [nx, ny]
+    cell_m: float
+    origin_m: tuple[float, float]  # world xy of heights_m[0, 0]
+    tile_types: list[str]
+    spawn_xy_m: np.ndarray  # [tiles, 2]
+
+    @property
+    def is_flat(self) -> bool:
+        return not np.any(self.heights_m)
+
+    def height_at(self, xy: torch.Tensor) -> torch.Tensor:
+        """Ground height under world points xy [..., 2] (bilinear)."""
+        h = torch.as_tensor(self.heights_m, device=xy.device)
+        if self.is_flat:
+            return torch.zeros(xy.shape[:-1], device=xy.device)
+        g = (xy - torch.tensor(self.origin_m, device=xy.device)) / self.cell_m
+        g0 = g.floor().long()
+        f = g - g0
+        nx, ny = h.shape
+        ix0, iy0 = g0[..., 0].clamp(0, nx - 1), g0[..., 1].clamp(0, ny - 1)
+        ix1, iy1 = (ix0 + 1).clamp(max=nx - 1), (iy0 + 1).clamp(max=ny - 1)
+        fx, fy = f[..., 0], f[..., 1]
+        return (h[ix0, iy0] * (1 - fx) * (1 - fy) + h[ix1, iy0] * fx * (1 - fy)
+                + h[ix0, iy1] * (1 - fx) * fy + h[ix1, iy1] * fx * fy)
+
+
+def make_terrain(kind: str, seed: int = 0, tile_m: float = 8.0, cols: int = 4, cell_m: float = 0.1) -> Terrain:
+    """kind: flat | smooth_slope | rough_slope | mix. Slope tiles are pyramids (edges at 0 m, so tiles join without
+    steps) whose faces get steeper by column (slope 0.1 .. 0.4); rough tiles add +-3 cm uniform noise. Robots spawn
+    half-way up a face."""
+    if kind not in (*TERRAIN_TYPES, "mix"):
+        raise ValueError(f"unknown terrain '{kind}': choose one of {TERRAIN_TYPES + ('mix',)}")
+    rows = ["flat", "flat", "smooth_slope", "rough_slope"] if kind == "mix" else [kind]
+    rng = np.random.default_rng(seed)
+    n = int(round(tile_m / cell_m))
+    heights = np.zeros((len(rows) * n, cols * n), np.float32)
+    spawn, types = [], []
+    u = (np.arange(n) + 0.5) / n - 0.5  # tile-local coordinate in [-0.5, 0.5)
+    dist_to_edge = (0.5 - np.maximum(np.abs(u)[:, None], np.abs(u)[None, :])) * tile_m
+    for r, t in enumerate(rows):
+        for c in range(cols):
+            tile = np.zeros((n, n), np.float32)
+            if t != "flat":
+                tile = (0.1 * (c + 1)) * dist_to_edge
+                if t == "rough_slope":
+                    tile = tile + rng.uniform(-0.03, 0.03, tile.shape)
+            heights[r * n:(r + 1) * n, c * n:(c + 1) * n] = tile
+            spawn.append(((r + 0.5) * tile_m - tile_m / 4, (c + 0.5) * tile_m))
+            types.append(t)
+    origin = (-len(rows) * tile_m / 2, -cols * tile_m / 2)
+    spawn_xy = np.asarray(spawn, np.float32) + np.asarray(origin, np.float32)
+    return Terrain(heights, cell_m, origin, types, spawn_xy)
+
+
+SCAN_XY_M = torch.stack(torch.meshgrid(torch.linspace(-0.5, 0.5, 11), torch.linspace(-0.5, 0.5, 11),
+                                       indexing="ij"), -1).reshape(-1, 2)  # g_t sample points in the heading frame
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Motion library: SSJR packets (30 fps) sampled at any time with interpolation.
+# ----------------------------------------------------------------------------------------------------------------
+class MotionLib:
+    """All clips concatenated on the device; `sample(clip, t_s)` interpolates (lerp positions, slerp rotations)."""
+
+    def __init__(self, packet_paths: list[pathlib.Path], device):
+        if not packet_paths:
+            raise ValueError("MotionLib: no motion packets given (run `python ssjr.py convert ...` first)")
+        packets = [ssjr.load_packet(p) for p in packet_paths]
+        self.names = [pathlib.Path(p).stem for p in packet_paths]
+        self.fps = torch.tensor([float(p["fps"]) for p in packets], device=device)
+        self.num_frames = torch.tensor([len(p["dof_pos"]) for p in packets], device=device)
+        self.length_s = (self.num_frames - 1) / self.fps
+        self.start = torch.cumsum(self.num_frames, 0) - self.num_frames
+        cat = lambda k: torch.as_tensor(np.concatenate([p[k] for p in packets]), dtype=torch.float32, device=device)
+        self.body_pos, self.body_quat = cat("body_pos_w"), cat("body_quat_w")
+        self.body_lin_vel, self.body_ang_vel = cat("body_lin_vel_w"), cat("body_ang_vel_w")
+        self.dof_pos, self.dof_vel = cat("dof_pos"), cat("dof_vel")
+
+    def __len__(self):
+        return len(self.names)
+
+    def sample(self, clip: torch.Tensor, t_s: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Reference state of `clip` [M] at time `t_s` [M] (clamped to the clip)."""
+        f = (t_s.clamp(min=0) * self.fps[clip]).clamp(max=(self.num_frames[clip] - 1).float())
+        i0 = f.floor().long()
+        i1 = torch.minimum(i0 + 1, self.num_frames[clip] - 1)
+        w = (f - i0)
+        i0, i1 = i0 + self.start[clip], i1 + self.start[clip]
+        lerp = lambda x: x[i0] + (x[i1] - x[i0]) * w.view(-1, *[1] * (x.dim() - 1))
+        return {"body_pos": lerp(self.body_pos), "body_lin_vel": lerp(self.body_lin_vel),
+                "body_ang_vel": lerp(self.body_ang_vel), "dof_pos": lerp(self.dof_pos), "dof_vel": lerp(self.dof_vel),
+                "body_quat": ssjr.quat_slerp(self.body_quat[i0], self.body_quat[i1], w[:, None])}
+
+
+def resolve_motions(motions) -> list[pathlib.Path]:
+    """A packet folder, a packet file, or a list of packet files -> sorted packet paths."""
+    if isinstance(motions, (list, tuple)):
+        return [pathlib.Path(m) for m in motions]
+    path = pathlib.Path(motions)
+    if path.is_dir():
+        paths = sorted(path.glob("*.npz"))
+        if not paths:
+            raise FileNotFoundError(f"{path}: no SSJR packets (*.npz); convert motions with `python ssjr.py convert`")
+        return paths
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such motion packet or folder")
+    return [path]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Engine adapters: step physics with given joint torques, read and write state. Nothing task-specific.
+# ----------------------------------------------------------------------------------------------------------------
+class GenesisSim:
+    """Genesis (gs.Scene + the G1 MJCF entity). CPU here, CUDA where available; every DR term batched per env."""
+
+    def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S):
+        import genesis as gs
+        if not getattr(gs, "_initialized", False):
+            gs.init(backend=gs.cpu if device == "cpu" else gs.gpu, logging_level="warning", precision="32")
+        self.gs, self.num_envs, self.device = gs, num_envs, torch.device(device)
+        self.scene = gs.Scene(
+            sim_options=gs.options.SimOptions(dt=dt_s, substeps=1),
+            rigid_options=gs.options.RigidOptions(batch_links_info=True, batch_dofs_info=True,
+                                                  batch_joints_info=True),
+            show_viewer=False)
+        ground_material = gs.materials.Rigid(friction=0.01)  # contact friction = max of the pair: the feet decide
+        if terrain.is_flat:
+            self.scene.add_entity(gs.morphs.Plane(), material=ground_material)
+        else:
+            self.scene.add_entity(gs.morphs.Terrain(height_field=terrain.heights_m, horizontal_scale=terrain.cell_m,
+                                                    vertical_scale=1.0, pos=(*terrain.origin_m, 0.0)),
+                                  material=ground_material)
+        self.robot = self.scene.add_entity(gs.morphs.MJCF(file=str(ssjr.g1_mjcf_path())))
+        self.scene.build(n_envs=num_envs)
+        names = [link.name for link in self.robot.links]
+        self.links = [names.index(b) for b in ssjr.BODY_NAMES]
+        self.dofs = [self.robot.get_joint(j).dofs_idx_local[0] for j in ssjr.DOF_NAMES]
+        self.dof_names, self.body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
+        self.torso = ssjr.BODY_NAMES.index("torso_link")
+        self.default_body_mass_kg = self._t(self.robot.get_links_mass(self.links))
+        self.default_torso_com = self._t(self.robot.get_links_COM([self.links[self.torso]]))[:, 0]
+        self.robot.set_dofs_kp(torch.zeros(num_envs, 29), self.dofs)
+        self.robot.set_dofs_kv(torch.zeros(num_envs, 29), self.dofs)
+
+    def _t(self, x):
+        return torch.as_tensor(x, device=self.device, dtype=torch.float32)
+
+    def step(self, tau_nm: torch.Tensor):
+        self.robot.control_dofs_force(tau_nm, self.dofs)
+        self.scene.step()
+
+    def dof_state(self):
+        return self._t(self.robot.get_dofs_position(self.dofs)), self._t(self.robot.get_dofs_velocity(self.dofs))
+
+    def root_state(self):
+        r = self.robot
+        return self._t(r.get_pos()), self._t(r.get_quat()), self._t(r.get_vel()), self._t(r.get_ang())
+
+    def body_state(self):
+        r, idx = self.robot, self.links
+        return (self._t(r.get_links_pos(idx)), self._t(r.get_links_quat(idx)), self._t(r.get_links_vel(idx)),
+                self._t(r.get_links_ang(idx)))
+
+    def write_state(self, env_ids, root_pos, root_quat, root_lin_vel, root_ang_vel, q, qd):
+        qpos = torch.cat([root_pos, root_quat, q], -1)
+        qs = [0, 1, 2, 3, 4, 5, 6] + [d + 1 for d in self.dofs]  # free joint: 3 pos + 4 quat in qpos, 6 dofs in qvel
+        self.robot.set_qpos(qpos, qs, envs_idx=env_ids, zero_velocity=True)
+        self.set_root_velocity(env_ids, root_lin_vel, root_ang_vel)
+        self.robot.set_dofs_velocity(qd, self.dofs, envs_idx=env_ids)
+
+    def set_root_velocity(self, env_ids, lin_vel_w, ang_vel_w):
+        self.robot.set_dofs_velocity(torch.cat([lin_vel_w, ang_vel_w], -1), [0, 1, 2, 3, 4, 5], envs_idx=env_ids)
+
+    def set_gravity(self, env_ids, g_w):
+        self.scene.sim.set_gravity(g_w, envs_idx=env_ids)
+
+    def set_body_mass(self, env_ids, mass_kg):
+        self.robot.set_links_mass(mass_kg, self.links, envs_idx=env_ids)
+
+    def set_com_offset(self, env_ids, offset_m):
+        com = self.default_torso_com[env_ids] + offset_m
+        self.robot.set_links_COM(com[:, None], [self.links[self.torso]], envs_idx=env_ids)
+
+    def set_friction(self, env_ids, mu):
+        self.robot.set_friction_ratio(mu[:, None].expand(-1, len(self.links)), self.links, envs_idx=env_ids)
+
+    def set_joint_params(self, env_ids, armature, damping, frictionloss):
+        self.robot.set_dofs_armature(armature, self.dofs, envs_idx=env_ids)
+        self.robot.set_dofs_damping(damping, self.dofs, envs_idx=env_ids)
+        self.robot.set_dofs_frictionloss(frictionloss, self.dofs, envs_idx=env_ids)
+
+    def nan_envs(self):
+        return self._t(self.scene.rigid_solver.get_error_envs_mask()).bool()
+
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tracking task, written once for both engines.
+# ----------------------------------------------------------------------------------------------------------------
+def projected_gravity(root_quat: torch.Tensor) -> torch.Tensor:
+    """The unit gravity direction seen in the root frame (what an IMU gives)."""
+    down = torch.tensor([0.0, 0.0, -1.0], device=root_quat.device).expand(*root_quat.shape[:-1], 3)
+    return quat_apply(quat_conj(root_quat), down)
+
+
+class TrackingEnv:
+    """Batched G1 motion tracking (paper Sec. 3): reference-state init, PD targets in, tracking reward out."""
+
+    HISTORY_LEN = 16  # K for HCDR (see hcdr.py for the choice)
+    PROPRIO_STEPS, FUTURE_STEPS, STUDENT_PAST, STUDENT_FUTURE = 5, 8, 8, 2
+
+    def __init__(self, sim, motion_lib: MotionLib, terrain: Terrain, dr: DR | None, seed: int,
+                 start: str = "random", terrain_mix: dict[str, float] | None = None):
+        self.sim, self.motions, self.terrain, self.dr = sim, motion_lib, terrain, dr
+        self.num_envs, self.device = sim.num_envs, sim.device
+        self.start = start  # "random": random clip and time; "frame0": env i plays clips i, i+N, ... from frame 0
+        n, dev = self.num_envs, self.device
+        self.gen = torch.Generator(device=dev).manual_seed(seed)
+        self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
+        self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
+        self.scan_xy = SCAN_XY_M.to(dev)
+        # terrain tiles an env may spawn on, weighted by the training mix
+        mix = terrain_mix or TERRAIN_MIX
+        w = torch.tensor([mix.get(t, 0.0) for t in terrain.tile_types], device=dev)
+        self.tile_weights = w if w.sum() > 0 else torch.ones_like(w)
+        self.spawn_xy = torch.as_tensor(terrain.spawn_xy_m, device=dev)
+        # per-env episode state
+        self.clip = torch.zeros(n, dtype=torch.long, device=dev)
+        self.t0_s = torch.zeros(n, device=dev)
+        self.step_count = torch.zeros(n, dtype=torch.long, device=dev)
+        self.ref_offset = torch.zeros(n, 3, device=dev)  # world offset of the reference (tile spawn point)
+        self.next_clip = torch.arange(n, device=dev) % len(motion_lib)
+        self.psi = sample_psi(None, n, self.gen, dev)
+        self.next_push_s = torch.full((n,), float("inf"), device=dev)
+        self.alpha_prev = torch.zeros(n, 29, device=dev)
+        self.last_alpha = torch.zeros(n, 29, device=dev)
+        self.proprio_buf = torch.zeros(n, self.PROPRIO_STEPS, 535, device=dev)
+        self.sparse_buf = torch.zeros(n, self.STUDENT_PAST, 93, device=dev)
+        self.history = torch.zeros(n, self.HISTORY_LEN, 93, device=dev)
+        self.history_mask = torch.zeros(n, self.HISTORY_LEN, dtype=torch.bool, device=dev)
+        self.substep_tau = torch.zeros(DECIMATION, n, 29, device=dev)  # torques of the last control step
+        self.nan_resets = 0
+        self.default_mass = sim.default_body_mass_kg.clone()
+        self.obs_layout: dict[str, list[int]] = {}
+        # one reference window per step: t-7..t (student past), t+1..t+2 (student future) / t+1..t+8 (teacher)
+        self.window_s = torch.arange(1 - self.STUDENT_PAST, self.FUTURE_STEPS + 1, device=dev) * CONTROL_DT_S
+
+    # --- reference ------------------------------------------------------------------------------------------------
+    def time_s(self) -> torch.Tensor:
+        return self.t0_s + self.step_count * CONTROL_DT_S
+
+    def reference(self, dt_s: float | torch.Tensor = 0.0, env_ids=None) -> dict[str, torch.Tensor]:
+        """Reference state at episode time + dt_s, placed in the world (tile offset, terrain height under its root).
+        dt_s: a float, or offsets [K] -> every field gets a window axis: [N, K, ...]."""
+        ids = slice(None) if env_ids is None else env_ids
+        clip, t_s = self.clip[ids], self.time_s()[ids]
+        offset = self.ref_offset[ids]
+        window = torch.is_tensor(dt_s)
+        if window:  # sample all N*K (env, time) pairs in one call
+            k = len(dt_s)
+            clip, t_s = clip.repeat_interleave(k), (t_s[:, None] + dt_s).flatten()
+            offset = offset.repeat_interleave(k, 0)
+        ref = self.motions.sample(clip, t_s + (0.0 if window else dt_s))
+        pos = ref["body_pos"] + offset[:, None]
+        pos[..., 2] += self.terrain.height_at(pos[:, 0, :2])[:, None]
+        ref["body_pos"] = pos
+        if window:
+            ref = {key: v.view(-1, k, *v.shape[1:]) for key, v in ref.items()}
+        return ref
+
+    # --- reset ----------------------------------------------------------------------------------------------------
+    def reset(self, env_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        ids = torch.arange(self.num_envs, device=self.device) if env_ids is None else env_ids
+        if len(ids):
+            self._reset_envs(ids)
+        return self._observe(self.sim.body_state(), *self.sim.dof_state())
+
+    def _reset_envs(self, ids: torch.Tensor):
+        m, dev, lib = len(ids), self.device, self.motions
+        if self.start == "frame0":
+            self.clip[ids] = self.next_clip[ids]
+            self.next_clip[ids] = (self.next_clip[ids] + self.num_envs) % len(lib)
+            self.t0_s[ids] = 0.0
+        else:  # reference-state init anywhere in the library, at least 1 s before the clip end
+            self.clip[ids] = torch.randint(len(lib), (m,), generator=self.gen, device=dev)
+            span = (lib.length_s[self.clip[ids]] - 1.0).clamp(min=0.0)
+            self.t0_s[ids] = torch.rand(m, generator=self.gen, device=dev) * span
+        self.step_count[ids] = 0
+        tile = torch.multinomial(self.tile_weights, m, replacement=True, generator=self.gen)
+        start = lib.sample(self.clip[ids], self.t0_s[ids])
+        self.ref_offset[ids, :2] = self.spawn_xy[tile] - start["body_pos"][:, 0, :2]
+        # psi: this episode's hidden dynamics
+        psi = sample_psi(self.dr, m, self.gen, dev)
+        for k, v in psi.items():
+            self.psi[k][ids] = v
+        self.sim.set_body_mass(ids, self.default_mass[ids] * psi["mass_scale"][:, None])
+        self.sim.set_com_offset(ids, torch.stack([psi[f"com_offset_{a}_m"] for a in "xyz"], -1))
+        js = psi["joint_scale"][:, None].expand(m, 29)
+        self.sim.set_joint_params(ids, ARMATURE * js, JOINT_DAMPING * js, JOINT_FRICTION * js)
+        self.sim.set_friction(ids, psi["friction"])
+        self.sim.set_gravity(ids, torch.stack([torch.zeros(m, device=dev), torch.zeros(m, device=dev),
+                                               -psi["gravity_mps2"]], -1))
+        if self.dr is not None:
+            lo, hi = self.dr.push_interval_s
+            self.next_push_s[ids] = lo + (hi - lo) * torch.rand(m, generator=self.gen, device=dev)
+        else:
+            self.next_push_s[ids] = float("inf")
+        # reference-state initialization
+        ref = self.reference(env_ids=ids)
+        self.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], ref["body_lin_vel"][:, 0],
+                             ref["body_ang_vel"][:, 0], ref["dof_pos"], ref["dof_vel"])
+        self.alpha_prev[ids] = ref["dof_pos"]
+        self.last_alpha[ids] = ref["dof_pos"]
+        self.history[ids] = 0.0
+        self.history_mask[ids] = False
+        self._fresh = torch.zeros(self.num_envs, dtype=torch.bool, device=dev)
+        self._fresh[ids] = True  # the proprio stacks of these envs are filled with their first frame
+
+    # --- step -----------------------------------------------------------------------------------------------------
+    def step(self, alpha: torch.Tensor):
+        """One 50 Hz control step: PD targets alpha [N,29] -> (obs, reward [N], done [N], info)."""
+        n, dev = self.num_envs, self.device
+        alpha = alpha.detach().to(dev)
+        s_before = self.sparse_state()
+        kp = self.kp * self.psi["kp_scale"][:, None]
+        kd = self.kd * self.psi["kd_scale"][:, None]
+        delay = self.psi["delay_steps"][:, None]
+        # pushes: a random horizontal kick of the root velocity every U[5, 10] s
+        push = self.time_s() >= self.next_push_s
+        if push.any():
+            ids = push.nonzero().squeeze(-1)
+            _, _, v, w = self.sim.root_state()
+            kick = (2 * torch.rand(len(ids), 2, generator=self.gen, device=dev) - 1) * self.dr.push_vel_mps
+            self.sim.set_root_velocity(ids, v[ids] + torch.nn.functional.pad(kick, (0, 1)), w[ids])
+            lo, hi = self.dr.push_interval_s
+            self.next_push_s[ids] += lo + (hi - lo) * torch.rand(len(ids), generator=self.gen, device=dev)
+        power = torch.zeros(n, device=dev)
+        for k in range(DECIMATION):
+            # control delay of d physics steps: the new target reaches the motors d steps into the control period
+            target = torch.where(k >= delay, alpha, self.alpha_prev)
+            q, qd = self.sim.dof_state()
+            tau = (kp * (target - q) - kd * qd).clamp(-self.effort_limit_nm, self.effort_limit_nm)
+            self.sim.step(tau)
+            self.substep_tau[k] = tau
+            power += (tau * qd).abs().sum(-1)
+        self.alpha_prev = alpha
+        self.last_alpha = alpha
+        self.step_count += 1
+        body = self.sim.body_state()
+        q, qd = self.sim.dof_state()
+        # HCDR history: the (state, action) pair just played
+        self.history = torch.roll(self.history, -1, 1)
+        self.history[:, -1] = torch.cat([s_before, alpha], -1)
+        self.history_mask = torch.roll(self.history_mask, -1, 1)
+        self.history_mask[:, -1] = True
+        # reward and termination against the reference at the new time
+        ref = self.reference()
+        terms, metrics = tracking_terms(body, ref, self.sim.root_state())
+        reward = sum(REWARD_WEIGHTS[k] * torch.exp(REWARD_COEFFS[k] * terms[k]) for k in REWARD_WEIGHTS)
+        reward = reward - POWER_PENALTY * power
+        failed = metrics["max_body_err_m"] > TERMINATION_ERR_M
+        time_out = self.time_s() >= self.motions.length_s[self.clip] - 1e-6
+        blown_up = self.sim.nan_envs() | ~torch.isfinite(body[0]).all(-1).all(-1) | ~torch.isfinite(q).all(-1)
+        reward = torch.where(blown_up, torch.zeros_like(reward), reward)
+        failed = failed | blown_up
+        done = failed | time_out
+        info = {"metrics": metrics, "reward_terms": {k: torch.exp(REWARD_COEFFS[k] * v) for k, v in terms.items()},
+                "power_w": power / DECIMATION, "time_out": time_out & ~failed, "failed": failed,
+                "nan": blown_up, "psi": {k: v.clone() for k, v in self.psi.items()}, "clip": self.clip.clone()}
+        self.body_pos_w, self.body_quat_w = body[0], body[1]
+        self.ref_body_pos_w, self.ref_body_quat_w = ref["body_pos"], ref["body_quat"]
+        self.nan_resets += int(blown_up.sum())
+        info["nan_resets"] = self.nan_resets
+        ids = done.nonzero().squeeze(-1)
+        if len(ids):
+            self._reset_envs(ids)
+            body = self.sim.body_state()
+            q, qd = self.sim.dof_state()
+        return self._observe(body, q, qd), reward, done, info
+
+    # --- observations ---------------------------------------------------------------------------------------------
+    def sparse_state(self) -> torch.Tensor:
+        """s for HCDR and the student: dof pos, dof vel, root ang vel (root frame), projected gravity [N, 64]."""
+        q, qd = self.sim.dof_state()
+        _, quat, _, ang = self.sim.root_state()
+        return torch.cat([q, qd, quat_apply(quat_conj(quat), ang), projected_gravity(quat)], -1)
+
+    def _observe(self, body, q, qd) -> dict[str, torch.Tensor]:
+        pos, quat, lin, ang = body
+        n, dev = self.num_envs, self.device
+        root_pos, root_quat = pos[:, 0], quat[:, 0]
+        inv_heading = quat_conj(yaw_quat(root_quat))
+        ih = inv_heading[:, None]
+        # privileged proprio at t
+        ground = self.terrain.height_at(root_pos[:, :2])
+        proprio = torch.cat([
+            (root_pos[:, 2] - ground)[:, None],
+            quat_apply(ih, pos[:, 1:] - root_pos[:, None]).flatten(1),
+            rot6d(quat_mul(ih.expand_as(quat), quat)).flatten(1),
+            quat_apply(ih, lin).flatten(1), quat_apply(ih, ang).flatten(1),
+            q, qd, self.last_alpha], -1)
+        sparse = torch.cat([self.sparse_state(), self.last_alpha], -1)
+        fresh = self._fresh[:, None, None]
+        self.proprio_buf = torch.where(fresh, proprio[:, None], torch.roll(self.proprio_buf, -1, 1))
+        self.proprio_buf[:, -1] = proprio
+        self.sparse_buf = torch.where(fresh, sparse[:, None], torch.roll(self.sparse_buf, -1, 1))
+        self.sparse_buf[:, -1] = sparse
+        self._fresh[:] = False
+        # dense future reference (teacher) at t+1..t+8 and SSJR keypoint commands (student) at t-7..t+2
+        ref = self.reference(self.window_s)
+        fut = {k: v[:, self.STUDENT_PAST:] for k, v in ref.items()}
+        ihf = ih.expand(n, self.FUTURE_STEPS, 4)[:, :, None]
+        future = torch.cat([
+            quat_apply(ihf, fut["body_pos"] - root_pos[:, None, None]).flatten(2),
+            quat_apply(ihf, fut["body_pos"] - pos[:, None]).flatten(2),
+            rot6d(quat_mul(ihf.expand_as(fut["body_quat"]), fut["body_quat"])).flatten(2),
+            quat_apply(ihf, fut["body_lin_vel"]).flatten(2), quat_apply(ihf, fut["body_ang_vel"]).flatten(2),
+            fut["dof_pos"]], -1)
+        ref_dof_pos = fut["dof_pos"][:, 0]
+        kp_w = ref["body_pos"][:, :self.STUDENT_PAST + self.STUDENT_FUTURE, self.keypoint_ids]
+        keypoints = ssjr.root_relative(kp_w, root_pos[:, None], root_quat[:, None]).flatten(2)
+        # g_t: height scan around the root in the heading frame
+        heading = yaw_quat(root_quat)[:, None].expand(n, len(self.scan_xy), 4)
+        scan_w = quat_apply(heading, torch.nn.functional.pad(self.scan_xy, (0, 1)).expand(n, -1, 3))[..., :2]
+        terrain = root_pos[:, 2:3] - self.terrain.height_at(scan_w + root_pos[:, None, :2])
+        psi = torch.stack([self.psi[k] for k in PSI_KEYS], -1)
+        obs = {"proprio": self.proprio_buf.clone(), "future": future, "ref_dof_pos": ref_dof_pos,
+               "terrain": terrain, "history": self.history.clone(), "history_mask": self.history_mask.clone(),
+               "student_proprio": self.sparse_buf.clone(), "student_keypoints": keypoints,
+               "critic": torch.cat([proprio, future.flatten(1), terrain, psi], -1)}
+        if not self.obs_layout:
+            self.obs_layout = {k: list(v.shape[1:]) for k, v in obs.items()}
+        return obs
+
+
+def tracking_terms(body, ref, root_state):
+    """Mean squared tracking errors (the exp-reward arguments) and the per-env metrics of the paper."""
+    pos, quat, lin, ang = body
+    dp = ref["body_pos"] - pos
+    err_b = dp.norm(dim=-1)  # [N, B] global translation error per body
+    angle = ssjr.quat_angle(quat, ref["body_quat"])
+    rel = (ref["body_pos"] - ref["body_pos"][:, :1]) - (pos - pos[:, :1])
+    terms = {"gt": dp.pow(2).mean((-1, -2)), "gr": angle.pow(2).mean(-1),
+             "gv": (ref["body_lin_vel"] - lin).pow(2).mean((-1, -2)),
+             "gav": (ref["body_ang_vel"] - ang).pow(2).mean((-1, -2)),
+             "rh": (ref["body_pos"][:, 0, 2] - pos[:, 0, 2]).pow(2),
+             "rt": dp[:, 0].pow(2).mean(-1)}
+    metrics = {"gt_err_m": err_b.mean(-1), "max_body_err_m": err_b.max(-1).values,
+               "mpjpe_m": rel.norm(dim=-1).mean(-1), "gr_err_rad": angle.mean(-1)}
+    return terms, metrics
+
+
+def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
+             dr: DR | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
+             exclude_test: bool = True) -> TrackingEnv:
+    """Build the tracking env on `sim` ("isaaclab" | "genesis"). `motions`: packet folder/file/list; the held-out
+    test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation)."""
+    paths = resolve_motions(motions)
+    if exclude_test and len(paths) > 1:
+        paths, _ = ssjr.train_test_split(paths)
+    ground = make_terrain(terrain, seed)
+    if sim == "genesis":
+        engine = GenesisSim(num_envs, device, ground)
+    elif sim == "isaaclab":
+        engine = IsaacLabSim(num_envs, device, ground)
+    else:
+        raise ValueError(f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
+    return TrackingEnv(engine, MotionLib(paths, device), ground, dr, seed, start)

@@ -1,0 +1,1317 @@
+"""SSJR: the Standardized Sparse-Joint Representation of HoRD (paper Sec. 3.2).
+
+load -> clean -> resample (30 fps) -> forward kinematics -> packet -> sparse root-relative keypoints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+import zipfile
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+
+REPO = pathlib.Path(__file__).resolve().parent
+DATA_ROOT = pathlib.Path(os.environ.get("HORD_DATA", REPO.parent / "shared" / "data"))
+ASSETS = REPO / "assets"
+MJLAB_WHEEL = "mjlab==1.6.0"  # Apache-2.0 wheel that ships the Unitree G1 29-DoF MJCF (model BSD-3, Unitree)
+
+# The held-out G1 Moves test split: every evaluation uses these, training never sees them.
+TEST_CLIPS = ("B_WiggleDance", "J_Dance3_Woah", "J_Dance21_Blunt", "J_ShortDance14_Disco",
+              "B_SpinKarate", "M_Move7", "M_ShortMove13", "B_HandsUp")
+
+# MuJoCo / Unitree SDK / G1 CSV joint order.
+DOF_NAMES = tuple(f"{side}_{j}_joint" for side in ("left", "right")
+                  for j in ("hip_pitch", "hip_roll", "hip_yaw", "knee", "ankle_pitch", "ankle_roll")) + (
+    "waist_yaw_joint", "waist_roll_joint", "waist_pitch_joint") + tuple(
+    f"{side}_{j}_joint" for side in ("left", "right")
+    for j in ("shoulder_pitch", "shoulder_roll", "shoulder_yaw", "elbow", "wrist_roll", "wrist_pitch", "wrist_yaw"))
+# MJCF tree order: pelvis, then body i+1 is the child link moved by DOF_NAMES[i].
+BODY_NAMES = ("pelvis",) + tuple(n.replace("_joint", "_link") for n in DOF_NAMES[:14]) + ("torso_link",) + tuple(
+    n.replace("_joint", "_link") for n in DOF_NAMES[15:])
+
+
+def g1_mjcf_path() -> pathlib.Path:
+    """Path of the G1 MJCF; fetched once from PyPI (the mjlab wheel, not installed) into assets/."""
+    xml = ASSETS / "unitree_g1" / "xmls" / "g1.xml"
+    if xml.exists():
+        return xml
+    print(f"[ssjr] G1 model not cached: downloading the {MJLAB_WHEEL} wheel from PyPI (model files only, "
+          f"mjlab itself is not installed) into {ASSETS}/unitree_g1 ...", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", MJLAB_WHEEL, "-d", tmp]
+        if subprocess.run(cmd).returncode != 0:
+            raise RuntimeError(f"could not download {MJLAB_WHEEL} from PyPI to get the G1 model; "
+                               f"place the unitree_g1 folder of that wheel at {ASSETS / 'unitree_g1'}")
+        wheel = next(pathlib.Path(tmp).glob("mjlab-*.whl"))
+        prefix = "mjlab/asset_zoo/robots/unitree_g1/"
+        ASSETS.mkdir(exist_ok=True)
+        staging = pathlib.Path(tempfile.mkdtemp(dir=ASSETS))
+        with zipfile.ZipFile(wheel) as zf:
+            for name in zf.namelist():
+                if name.startswith(prefix + "xmls/") and not name.endswith("/"):
+                    target = staging / name[len(prefix):]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(zf.read(name))
+        staging.rename(ASSETS / "unitree_g1")  # atomic: a half-extracted model is never visible
+    return xml
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. The SSJR sparse joint set J. Robot bodies whose origins a human mocap also measures well: the root, both knees,
+#    ankles, shoulders, elbows and wrists. torso_link is left out on purpose: its origin sits 4.4 cm above the pelvis
+#    (it carries no information the pelvis does not), while the two shoulders fix the torso's lean and twist.
+KEYPOINT_NAMES = ("pelvis", "left_knee_link", "right_knee_link", "left_ankle_roll_link", "right_ankle_roll_link",
+                  "left_shoulder_roll_link", "right_shoulder_roll_link", "left_elbow_link", "right_elbow_link",
+                  "left_wrist_yaw_link", "right_wrist_yaw_link")
+KEYPOINT_BODY_IDS = tuple(BODY_NAMES.index(n) for n in KEYPOINT_NAMES)
+# Parent of each body (pelvis: -1): legs hang off the pelvis, the waist chain ends in torso_link (15), the arms hang
+# off torso_link. G1Kinematics reads the same tree from the MJCF (tested equal); this copy lets drawing skip the XML.
+BODY_PARENTS = (-1, 0, 1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11, 0, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                15, 23, 24, 25, 26, 27, 28)
+# Lines drawn between keypoints when a keypoint-only motion (a human command) is drawn.
+KEYPOINT_EDGES = ((0, 1), (1, 3), (0, 2), (2, 4), (0, 5), (0, 6), (5, 6), (5, 7), (7, 9), (6, 8), (8, 10))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. Rotation math. Quaternions are wxyz, unit, torch, any leading dims; rotation matrices act on column vectors.
+def quat_normalize(q: torch.Tensor) -> torch.Tensor:
+    """q / |q|."""
+    return q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def quat_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Hamilton product a * b (apply b first, then a)."""
+    aw, ax, ay, az = a.unbind(-1)
+    bw, bx, by, bz = b.unbind(-1)
+    return torch.stack((aw * bw - ax * bx - ay * by - az * bz,
+                        aw * bx + ax * bw + ay * bz - az * by,
+                        aw * by - ax * bz + ay * bw + az * bx,
+                        aw * bz + ax * by - ay * bx + az * bw), dim=-1)
+
+
+def quat_conj(q: torch.Tensor) -> torch.Tensor:
+    """Conjugate = inverse of a unit quaternion."""
+    return torch.cat((q[..., :1], -q[..., 1:]), dim=-1)
+
+
+def quat_apply(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Rotate vectors v [...,3] by q [...,4] (broadcasting)."""
+    u, w = q[..., 1:], q[..., :1]
+    u, v = torch.broadcast_tensors(u, v)
+    t = 2.0 * torch.linalg.cross(u, v, dim=-1)
+    return v + w * t + torch.linalg.cross(u, t, dim=-1)
+
+
+def quat_to_rotmat(q: torch.Tensor) -> torch.Tensor:
+    """[...,4] -> [...,3,3]."""
+    w, x, y, z = q.unbind(-1)
+    return torch.stack((1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y),
+                        2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x),
+                        2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)), dim=-1).reshape(
+        q.shape[:-1] + (3, 3))
+
+
+def rotmat_to_quat(m: torch.Tensor) -> torch.Tensor:
+    """[...,3,3] -> [...,4] with w >= 0 (Shepperd: build from the largest of the four diagonal combinations)."""
+    m00, m01, m02, m10, m11, m12, m20, m21, m22 = m.reshape(m.shape[:-2] + (9,)).unbind(-1)
+    cand = torch.stack((
+        torch.stack((1 + m00 + m11 + m22, m21 - m12, m02 - m20, m10 - m01), -1),
+        torch.stack((m21 - m12, 1 + m00 - m11 - m22, m10 + m01, m02 + m20), -1),
+        torch.stack((m02 - m20, m10 + m01, 1 - m00 + m11 - m22, m21 + m12), -1),
+        torch.stack((m10 - m01, m02 + m20, m21 + m12, 1 - m00 - m11 + m22), -1)), dim=-2)  # row k = 4 q_k q
+    diag = torch.diagonal(cand, dim1=-2, dim2=-1)  # 4 q_k^2
+    best = diag.argmax(dim=-1, keepdim=True)
+    row = torch.take_along_dim(cand, best[..., None], dim=-2).squeeze(-2)
+    q = row / (2.0 * torch.take_along_dim(diag, best, dim=-1).clamp_min(1e-12).sqrt())
+    return torch.where(q[..., :1] < 0, -q, q)
+
+
+def quat_from_axis_angle(axis: torch.Tensor, angle_rad: torch.Tensor) -> torch.Tensor:
+    """Rotation by angle_rad [...] about axis [...,3] (normalized here)."""
+    axis = axis / axis.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    half = 0.5 * angle_rad[..., None]
+    return torch.cat((torch.cos(half), torch.sin(half) * axis), dim=-1)
+
+
+def quat_from_rotvec(rotvec: torch.Tensor) -> torch.Tensor:
+    """Exponential map: axis * angle [...,3] -> [...,4] (exact near zero)."""
+    angle = rotvec.norm(dim=-1, keepdim=True)
+    k = torch.where(angle > 1e-6, torch.sin(0.5 * angle) / angle.clamp_min(1e-6), 0.5 - angle ** 2 / 48.0)
+    return torch.cat((torch.cos(0.5 * angle), k * rotvec), dim=-1)
+
+
+def quat_to_rotvec(q: torch.Tensor) -> torch.Tensor:
+    """Logarithm map: [...,4] -> axis * angle [...,3], angle in [0, pi]."""
+    q = torch.where(q[..., :1] < 0, -q, q)
+    s = q[..., 1:].norm(dim=-1, keepdim=True)
+    angle = 2.0 * torch.atan2(s, q[..., :1])
+    k = torch.where(s > 1e-6, angle / s.clamp_min(1e-6), 2.0 / q[..., :1].clamp_min(1e-6))
+    return k * q[..., 1:]
+
+
+def quat_slerp(q0: torch.Tensor, q1: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
+    """Spherical interpolation along the shorter arc; t [...] (broadcast to q0[..., 0]) in [0, 1]."""
+    t = torch.as_tensor(t, dtype=q0.dtype, device=q0.device)[..., None]
+    dot = (q0 * q1).sum(-1, keepdim=True)
+    q1 = torch.where(dot < 0, -q1, q1)
+    dot = dot.abs().clamp(max=1.0)
+    theta = torch.acos(dot)
+    sin_theta = torch.sin(theta)
+    near = sin_theta < 1e-4  # nearly equal: plain lerp is exact enough and avoids 0/0
+    s0 = torch.where(near, 1 - t, torch.sin((1 - t) * theta) / sin_theta.clamp_min(1e-4))
+    s1 = torch.where(near, t, torch.sin(t * theta) / sin_theta.clamp_min(1e-4))
+    return quat_normalize(s0 * q0 + s1 * q1)
+
+
+def yaw_quat(q: torch.Tensor) -> torch.Tensor:
+    """The heading part of q: a rotation about world z by q's yaw."""
+    w, x, y, z = q.unbind(-1)
+    yaw = torch.atan2(2 * (w * z + x * y), 1 - 2 * (y * y + z * z))
+    zero = torch.zeros_like(yaw)
+    return torch.stack((torch.cos(0.5 * yaw), zero, zero, torch.sin(0.5 * yaw)), dim=-1)
+
+
+def quat_angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Geodesic angle (rad, in [0, pi]) between the rotations a and b."""
+    d = quat_mul(quat_conj(a), b)
+    return 2.0 * torch.atan2(d[..., 1:].norm(dim=-1), d[..., 0].abs())
+
+
+def rot6d(q: torch.Tensor) -> torch.Tensor:
+    """Continuous 6D rotation feature: first two columns of the rotation matrix, [col0, col1] -> [...,6]."""
+    m = quat_to_rotmat(q)
+    return torch.cat((m[..., :, 0], m[..., :, 1]), dim=-1)
+
+
+def root_relative(points_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> torch.Tensor:
+    """Points [...,J,3] in the heading-aligned root frame: origin at the root, x forward, z = world up."""
+    heading_inv = quat_conj(yaw_quat(root_quat_w))[..., None, :]
+    return quat_apply(heading_inv, points_w - root_pos_w[..., None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. Forward kinematics straight from the MJCF tree: per body its offset (pos, quat) in the parent frame and the hinge
+#    axis of the joint that moves it. No physics engine: world pose of body i = parent pose * offset * hinge rotation.
+def _mjcf_defaults(root: ET.Element) -> dict[str, dict[str, dict[str, str]]]:
+    """class name -> tag -> attributes, with nested <default> classes inheriting from their parent class."""
+    table: dict[str, dict[str, dict[str, str]]] = {}
+
+    def visit(node: ET.Element, inherited: dict[str, dict[str, str]]) -> None:
+        name = node.get("class", "main")
+        own = {tag: dict(attrs) for tag, attrs in inherited.items()}
+        for child in node:
+            if child.tag != "default":
+                own.setdefault(child.tag, {}).update(child.attrib)
+        table[name] = own
+        for child in node:
+            if child.tag == "default":
+                visit(child, own)
+
+    for top in root.findall("default"):
+        visit(top, {})
+    return table
+
+
+def _vec(text: str | None, default: tuple[float, ...]) -> np.ndarray:
+    return np.array([float(v) for v in text.split()] if text else default, dtype=np.float64)
+
+
+class G1Kinematics:
+    """Batched torch FK of the G1 (or any MJCF tree of hinge joints under one free-floating root)."""
+
+    def __init__(self, mjcf_path: str | os.PathLike | None = None, device: str | torch.device = "cpu"):
+        root = ET.parse(mjcf_path or g1_mjcf_path()).getroot()
+        defaults = _mjcf_defaults(root)
+        if root.find("compiler") is not None and root.find("compiler").get("angle", "degree") != "radian":
+            raise ValueError(f"{mjcf_path}: only compiler angle='radian' is supported")
+        names, parents, pos, quat, axis, anchor, lower, upper, dof_names = [], [], [], [], [], [], [], [], []
+        geoms: list[tuple[int, np.ndarray, np.ndarray, float]] = []  # collision geoms: body, end points, radius
+
+        def attrs(el: ET.Element, cls: str) -> dict[str, str]:
+            merged = dict(defaults.get(el.get("class", cls), {}).get(el.tag, {}))
+            merged.update(el.attrib)
+            return merged
+
+        def visit(body: ET.Element, parent: int, cls: str) -> None:
+            cls = body.get("childclass", cls)
+            i = len(names)
+            names.append(body.get("name"))
+            parents.append(parent)
+            pos.append(_vec(body.get("pos"), (0, 0, 0)))
+            if any(body.get(k) for k in ("euler", "axisangle", "xyaxes", "zaxis")):
+                raise ValueError(f"body {names[-1]}: only quat orientations are supported")
+            quat.append(_vec(body.get("quat"), (1, 0, 0, 0)))
+            hinges = [attrs(j, cls) for j in body.findall("joint")]
+            hinges = [j for j in hinges if j.get("type", "hinge") == "hinge"]
+            if parent >= 0 and len(hinges) != 1:
+                raise ValueError(f"body {names[-1]}: expected exactly one hinge joint, found {len(hinges)}")
+            if parent >= 0:
+                j = hinges[0]
+                dof_names.append(j["name"])
+                axis.append(_vec(j.get("axis"), (0, 0, 1)))
+                anchor.append(_vec(j.get("pos"), (0, 0, 0)))
+                lo, hi = _vec(j.get("range"), (-np.inf, np.inf))
+                lower.append(lo)
+                upper.append(hi)
+            else:
+                axis.append(np.zeros(3))
+                anchor.append(np.zeros(3))
+            for g in body.findall("geom"):
+                a = attrs(g, cls)
+                if a.get("contype", "1") == "0" and a.get("conaffinity", "1") == "0":
+                    continue  # visual only
+                kind, size = a.get("type", "sphere"), _vec(a.get("size"), (0, 0, 0))
+                if kind == "sphere":
+                    p = _vec(a.get("pos"), (0, 0, 0))
+                    geoms.append((i, p, p, size[0]))
+                elif kind == "capsule" and "fromto" in a:
+                    ft = _vec(a["fromto"], ())
+                    geoms.append((i, ft[:3], ft[3:], size[0]))
+                elif kind == "capsule":
+                    p, gq = _vec(a.get("pos"), (0, 0, 0)), torch.tensor(_vec(a.get("quat"), (1, 0, 0, 0)))
+                    half = quat_apply(gq, torch.tensor([0.0, 0.0, size[1]], dtype=gq.dtype)).numpy()
+                    geoms.append((i, p - half, p + half, size[0]))
+                else:
+                    raise ValueError(f"body {names[-1]}: collision geom type {kind} is not supported")
+            for child in body.findall("body"):
+                visit(child, i, cls)
+
+        top = root.find("worldbody").findall("body")
+        if len(top) != 1:
+            raise ValueError(f"{mjcf_path}: expected one root body under worldbody, found {len(top)}")
+        visit(top[0], -1, "main")
+        f32 = dict(dtype=torch.float32, device=device)
+        self.body_names, self.dof_names, self.parents = tuple(names), tuple(dof_names), tuple(parents)
+        self.offset_pos = torch.tensor(np.stack(pos), **f32)                  # [B,3] in the parent frame
+        self.offset_quat = quat_normalize(torch.tensor(np.stack(quat), **f32))  # [B,4]
+        self.joint_axis = torch.tensor(np.stack(axis), **f32)                 # [B,3] (row 0, the root: unused)
+        self.joint_anchor = torch.tensor(np.stack(anchor), **f32)             # [B,3] joint position in the body
+        self.dof_lower_rad = torch.tensor(lower, **f32)                       # [29]
+        self.dof_upper_rad = torch.tensor(upper, **f32)
+        self.geom_body = torch.tensor([g[0] for g in geoms], dtype=torch.long, device=device)
+        self.geom_ends = torch.tensor(np.stack([np.stack(g[1:3]) for g in geoms]), **f32)  # [G,2,3]
+        self.geom_radius = torch.tensor([g[3] for g in geoms], **f32)
+        self.default_root_pos = self.offset_pos[0].clone()  # the MJCF's standing pelvis position
+
+    def local_rot(self, dof_pos: torch.Tensor) -> torch.Tensor:
+        """[...,29] -> [...,29,4]: rotation of body i+1 relative to its parent (MJCF offset * hinge rotation)."""
+        hinge = quat_from_axis_angle(self.joint_axis[1:], dof_pos)
+        return quat_mul(self.offset_quat[1:], hinge)
+
+    def forward(self, root_pos: torch.Tensor, root_quat: torch.Tensor, dof_pos: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """root_pos [...,3], root_quat [...,4] wxyz, dof_pos [...,29] -> body_pos [...,B,3], body_quat [...,B,4]."""
+        local = self.local_rot(dof_pos)
+        body_pos, body_quat = [root_pos], [quat_normalize(root_quat)]
+        for i in range(1, len(self.parents)):
+            p = self.parents[i]
+            q = quat_mul(body_quat[p], local[..., i - 1, :])
+            anchor = body_pos[p] + quat_apply(body_quat[p], self.offset_pos[i] + quat_apply(
+                self.offset_quat[i], self.joint_anchor[i]))
+            body_pos.append(anchor - quat_apply(q, self.joint_anchor[i]))  # rotate about the joint's anchor
+            body_quat.append(q)
+        return torch.stack(body_pos, dim=-2), torch.stack(body_quat, dim=-2)
+
+    def lowest_point_z(self, body_pos: torch.Tensor, body_quat: torch.Tensor) -> torch.Tensor:
+        """Height of the lowest point of all collision geoms (capsules, spheres): [...,B,3], [...,B,4] -> [...]."""
+        ends = body_pos[..., self.geom_body, None, :] + quat_apply(body_quat[..., self.geom_body, None, :],
+                                                                   self.geom_ends)
+        return (ends[..., 2] - self.geom_radius[:, None]).amin(dim=(-1, -2))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. SSJR command Y_t: the sparse keypoints of the lookahead window, expressed in the heading-aligned root frame of the
+#    command at time t (so the pelvis keypoints of later frames say where the body is going).
+def keypoint_command(window_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> torch.Tensor:
+    """Y_t from world keypoints of a window [...,H,J,3] and the command root at t ([...,3], [...,4]) -> [...,H,J*3]."""
+    rel = root_relative(window_w.flatten(-3, -2), root_pos_w, root_quat_w)
+    return rel.reshape(window_w.shape[:-2] + (-1,))
+
+
+def keypoint_window(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor,
+                    t: torch.Tensor, offsets: tuple[int, ...] = tuple(range(-7, 3)),
+                    first: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather Y_t for frames t [N] of a motion (or of clips stored back to back: first/last [N] are each clip's frame
+    range; frames outside are clamped). keypoints_w [T,J,3], root [T,3]/[T,4] -> [N, len(offsets), J*3].
+    Default offsets: the student's 10 steps = 8 past/present + 2 lookahead."""
+    first = torch.zeros_like(t) if first is None else first
+    last = torch.full_like(t, keypoints_w.shape[0] - 1) if last is None else last
+    idx = t[:, None] + torch.as_tensor(offsets, device=t.device)[None, :]
+    idx = torch.maximum(torch.minimum(idx, last[:, None]), first[:, None])
+    return keypoint_command(keypoints_w[idx], root_pos_w[t], root_quat_w[t])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 5. Loading. Every loader turns one file into clips of a common raw form: a robot motion (fps, root pos [T,3],
+#    root quat wxyz [T,4], dof pos [T,29] in DOF_NAMES order) or a human motion (fps, HUMAN_JOINTS positions [T,13,3],
+#    metres, z-up). Any problem with an input is a MotionError whose message starts with the file's path.
+class MotionError(ValueError):
+    """A bad input file or folder; str(e) is one line: '<path>: <problem>'."""
+
+    def __init__(self, path: str | os.PathLike, problem: str):
+        super().__init__(f"{path}: {problem}")
+
+
+@dataclass
+class RobotMotion:
+    """One G1 clip at its source frame rate."""
+    name: str
+    fps: float
+    root_pos: np.ndarray   # [T,3] m, world z-up
+    root_quat: np.ndarray  # [T,4] wxyz
+    dof_pos: np.ndarray    # [T,29] rad, DOF_NAMES order
+    source: str
+    notes: list[str] = field(default_factory=list)
+
+
+# The human joints a mocap source must provide to become SSJR keypoint commands.
+HUMAN_JOINTS = ("pelvis", "left_hip", "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle",
+                "left_shoulder", "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist")
+
+
+@dataclass
+class HumanMotion:
+    """One human clip at its source frame rate."""
+    name: str
+    fps: float
+    joints: np.ndarray  # [T,13,3] HUMAN_JOINTS positions, m, z-up
+    source: str
+    notes: list[str] = field(default_factory=list)
+
+
+FORMATS = ("auto", "g1csv", "mjlab", "phc", "amass", "bvh")
+MOTION_SUFFIXES = (".csv", ".npz", ".pkl", ".bvh")
+WRIST_DOF_IDS = (19, 20, 21, 26, 27, 28)  # the 6 wrist joints a 23-DoF G1 lacks
+DOF23_IDS = tuple(i for i in range(29) if i not in WRIST_DOF_IDS)
+
+
+def detect_format(path: pathlib.Path) -> str:
+    """Format from the file's content (not its name): zip -> npz (AMASS or mjlab by keys), HIERARCHY -> BVH,
+    digits and commas -> G1 CSV, pickle/joblib -> PHC."""
+    with open(path, "rb") as f:
+        head = f.read(256)
+    if not head:
+        raise MotionError(path, "empty file")
+    if head.startswith(b"PK"):
+        try:
+            keys = set(np.load(path, allow_pickle=False).files)
+        except Exception as e:
+            raise MotionError(path, f"corrupt npz ({type(e).__name__}: {e})") from None
+        if "poses" in keys:
+            return "amass"
+        if "joint_pos" in keys:
+            return "mjlab"
+        raise MotionError(path, f"npz is neither AMASS (poses, trans) nor BeyondMimic/mjlab (joint_pos): "
+                                f"keys {sorted(keys)}")
+    if head.lstrip().upper().startswith(b"HIERARCHY"):
+        return "bvh"
+    if all(c in b"0123456789.,-+eE \t\r\ninfaINFA" for c in head):
+        return "g1csv"
+    if head[:1] == b"\x80" or head[:2] in (b"\x78\x9c", b"\x78\x01", b"\x78\xda", b"\x1f\x8b", b"BZ") or \
+            head[:4] in (b"\xfd7zX", b"\x04\x22\x4d\x18"):
+        return "phc"
+    raise MotionError(path, "unrecognized content (expected G1 CSV, mjlab/AMASS npz, PHC pkl or BVH)")
+
+
+def _fps(path: pathlib.Path, value, flag_fps: float | None) -> float:
+    fps = flag_fps if value is None else float(np.asarray(value).reshape(-1)[0])
+    if fps is None:
+        raise MotionError(path, "frame rate unknown: the file carries none; pass --fps (G1 Moves 60, LAFAN1-G1 30)")
+    if not np.isfinite(fps) or fps <= 0:
+        raise MotionError(path, f"invalid frame rate {fps}")
+    return fps
+
+
+def _manifest_fps(path: pathlib.Path) -> float | None:
+    """G1 Moves ships manifest.json with each clip's fps: use it when a parent folder has one."""
+    for folder in list(path.parents)[:3]:
+        manifest = folder / "manifest.json"
+        if manifest.exists():
+            try:
+                return float(json.loads(manifest.read_text())["clips"][path.stem]["fps"])
+            except (KeyError, ValueError, TypeError):
+                return None
+    return None
+
+
+def _to_29dof(path: pathlib.Path, dof: np.ndarray, allow_23dof: bool, notes: list[str]) -> np.ndarray:
+    if dof.shape[1] == 29:
+        return dof
+    if dof.shape[1] != 23:
+        raise MotionError(path, f"expected 29 (or 23) joint angles per frame, found {dof.shape[1]}")
+    if not allow_23dof:
+        raise MotionError(path, "23-DoF data where 29 are required; pass --allow-23dof to map it (wrists set to 0)")
+    full = np.zeros((len(dof), 29), dtype=dof.dtype)
+    full[:, DOF23_IDS] = dof
+    notes.append("23-DoF source: the 6 wrist joints are set to 0")
+    return full
+
+
+def load_g1_csv(path: pathlib.Path, fps: float | None = None, allow_23dof: bool = False) -> list[RobotMotion]:
+    """Retargeted G1 CSV (G1 Moves, Unitree LAFAN1-G1): no header, per row root xyz, root quat xyzw, 29 joints."""
+    try:
+        data = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
+    except ValueError as e:
+        raise MotionError(path, f"not a numeric CSV ({e})") from None
+    if data.size == 0:
+        raise MotionError(path, "empty clip (no frames)")
+    if data.shape[1] not in (36, 30):
+        raise MotionError(path, f"wrong column count {data.shape[1]}: expected 36 (root xyz, quat xyzw, 29 joints)")
+    notes: list[str] = []
+    dof = _to_29dof(path, data[:, 7:], allow_23dof, notes)
+    fps = _fps(path, None, fps if fps is not None else _manifest_fps(path))
+    return [RobotMotion(path.stem, fps, data[:, :3], data[:, [6, 3, 4, 5]], dof, str(path), notes)]
+
+
+def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bool = False) -> list[RobotMotion]:
+    """BeyondMimic/mjlab npz: fps, joint_pos [T,29] (+ body_pos_w/body_quat_w for the root) or [T,36] (root first)."""
+    d = np.load(path, allow_pickle=False)
+    fps = _fps(path, d["fps"] if "fps" in d.files else None, fps)
+    joint_pos = np.asarray(d["joint_pos"], dtype=np.float64)
+    if joint_pos.ndim != 2 or len(joint_pos) == 0:
+        raise MotionError(path, f"joint_pos must be [T,29] or [T,36] with T > 0, got {joint_pos.shape}")
+    notes: list[str] = []
+    if joint_pos.shape[1] == 36:
+        root_pos, root_quat, dof = joint_pos[:, :3], joint_pos[:, 3:7], joint_pos[:, 7:]
+    else:
+        if "body_pos_w" not in d.files or "body_quat_w" not in d.files:
+            raise MotionError(path, "no root pose: joint_pos has no root columns and body_pos_w/body_quat_w are missing")
+        names = [str(n) for n in d["body_names"]] if "body_names" in d.files else ["pelvis"]
+        root = names.index("pelvis") if "pelvis" in names else 0
+        root_pos, root_quat, dof = d["body_pos_w"][:, root], d["body_quat_w"][:, root], joint_pos
+        if "joint_names" in d.files and dof.shape[1] == 29:
+            names = [str(n) for n in d["joint_names"]]
+            missing = [n for n in DOF_NAMES if n not in names]
+            if missing:
+                raise MotionError(path, f"joint_names lacks {missing[:3]}...")
+            dof = dof[:, [names.index(n) for n in DOF_NAMES]]
+    dof = _to_29dof(path, np.asarray(dof, dtype=np.float64), allow_23dof, notes)
+    return [RobotMotion(path.stem, fps, np.asarray(root_pos, np.float64), np.asarray(root_quat, np.float64), dof,
+                        str(path), notes)]
+
+
+def load_phc_pkl(path: pathlib.Path, fps: float | None = None, allow_23dof: bool = False) -> list[RobotMotion]:
+    """PHC motion library pkl (joblib): {clip: {root_trans_offset [T,3], root_rot [T,4] xyzw, dof [T,23|29], fps}}."""
+    import joblib
+    try:
+        lib = joblib.load(path)
+    except Exception as e:
+        raise MotionError(path, f"corrupt pkl ({type(e).__name__}: {e})") from None
+    if isinstance(lib, dict) and "dof" in lib:
+        lib = {path.stem: lib}
+    if not isinstance(lib, dict) or not lib or not all(isinstance(c, dict) for c in lib.values()):
+        raise MotionError(path, "not a PHC motion library (a dict of clips, each a dict with root_rot, dof, ...)")
+    clips = []
+    for key, c in lib.items():
+        missing = [k for k in ("root_trans_offset", "root_rot", "dof") if k not in c]
+        if missing:
+            raise MotionError(path, f"clip {key}: missing {missing}")
+        notes: list[str] = []
+        dof = _to_29dof(path, np.asarray(c["dof"], np.float64).reshape(len(c["dof"]), -1), allow_23dof, notes)
+        name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(key))
+        clips.append(RobotMotion(name, _fps(path, c.get("fps"), fps), np.asarray(c["root_trans_offset"], np.float64),
+                                 np.asarray(c["root_rot"], np.float64)[:, [3, 0, 1, 2]], dof, str(path), notes))
+    return clips
+
+
+SMPL_JOINT_IDS = (0, 1, 2, 4, 5, 7, 8, 16, 17, 18, 19, 20, 21)  # HUMAN_JOINTS in the SMPL/SMPL+H/SMPL-X body tree
+
+
+def load_smpl_model(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """The user's SMPL-family body model (.npz as shipped for AMASS, or a chumpy-free .pkl): rest joints + parents."""
+    try:
+        if path.suffix == ".pkl":
+            import pickle
+            with open(path, "rb") as f:
+                model = dict(pickle.load(f, encoding="latin1"))
+        else:
+            model = dict(np.load(path, allow_pickle=False))
+    except ModuleNotFoundError as e:
+        raise MotionError(path, f"SMPL model pickle needs {e.name}; save it as .npz (v_template, shapedirs, "
+                                f"J_regressor, kintree_table) instead") from None
+    except Exception as e:
+        raise MotionError(path, f"cannot read the SMPL model ({type(e).__name__}: {e})") from None
+    missing = [k for k in ("v_template", "shapedirs", "J_regressor", "kintree_table") if k not in model]
+    if missing:
+        raise MotionError(path, f"not an SMPL model file: missing {missing}")
+    regressor = model["J_regressor"]
+    regressor = np.asarray(regressor.toarray() if hasattr(regressor, "toarray") else regressor, np.float64)
+    parents = np.asarray(model["kintree_table"], np.int64)[0].copy()
+    parents[0] = -1
+    if len(parents) < 22 or np.any(parents[1:] >= np.arange(1, len(parents))):
+        raise MotionError(path, "SMPL kintree_table must list >= 22 joints, each after its parent")
+    return dict(v_template=np.asarray(model["v_template"], np.float64), J_regressor=regressor, parents=parents,
+                shapedirs=np.asarray(model["shapedirs"], np.float64))
+
+
+def smpl_joints(model: dict[str, np.ndarray], poses: np.ndarray, trans: np.ndarray, betas: np.ndarray) -> np.ndarray:
+    """SMPL joint positions [T,NJ,3]: shaped rest joints J = R (v_template + shapedirs betas), then FK of the
+    axis-angle poses [T,>=3*22] along the kinematic tree, plus trans [T,3]."""
+    nb = min(model["shapedirs"].shape[-1], len(betas))
+    rest = model["J_regressor"] @ (model["v_template"] + model["shapedirs"][..., :nb] @ betas[:nb])  # [NJ,3]
+    parents = model["parents"]
+    nj = min(len(parents), poses.shape[1] // 3)
+    rot = quat_from_rotvec(torch.tensor(poses[:, :3 * nj].reshape(len(poses), nj, 3), dtype=torch.float64))
+    rest_t = torch.tensor(rest, dtype=torch.float64)
+    glob_q, glob_p = [rot[:, 0]], [rest_t[0] + torch.tensor(trans, dtype=torch.float64)]
+    for j in range(1, nj):
+        p = parents[j]
+        glob_p.append(glob_p[p] + quat_apply(glob_q[p], rest_t[j] - rest_t[p]))
+        glob_q.append(quat_mul(glob_q[p], rot[:, j]))
+    return torch.stack(glob_p, dim=1).numpy()
+
+
+def load_amass_npz(path: pathlib.Path, fps: float | None = None, smpl_model: pathlib.Path | None = None
+                   ) -> list[HumanMotion]:
+    """AMASS npz (poses [T,72|156|165], trans [T,3], betas, mocap_framerate|mocap_frame_rate, gender), z-up.
+    The SMPL body model is licensed and not shipped: joints need the user's model file (--smpl-model)."""
+    d = np.load(path, allow_pickle=False)
+    if smpl_model is None:
+        raise MotionError(path, "AMASS/SMPL poses need the SMPL body model, which is licensed and not shipped; "
+                                "download it (smpl.is.tue.mpg.de) and pass --smpl-model /path/to/model.npz")
+    rate = next((d[k] for k in ("mocap_framerate", "mocap_frame_rate") if k in d.files), None)
+    fps = _fps(path, rate, fps)
+    missing = [k for k in ("poses", "trans") if k not in d.files]
+    if missing:
+        raise MotionError(path, f"AMASS npz lacks {missing}")
+    poses, trans = np.asarray(d["poses"], np.float64), np.asarray(d["trans"], np.float64)
+    if poses.ndim != 2 or poses.shape[1] < 66 or len(poses) == 0 or trans.shape != (len(poses), 3):
+        raise MotionError(path, f"AMASS poses must be [T,>=66] with trans [T,3], got {poses.shape} and {trans.shape}")
+    if not (np.isfinite(poses).all() and np.isfinite(trans).all()):
+        raise MotionError(path, "NaN/inf in poses or trans")
+    betas = np.asarray(d["betas"], np.float64).reshape(-1) if "betas" in d.files else np.zeros(0)
+    joints = smpl_joints(load_smpl_model(smpl_model), poses, trans, betas)[:, SMPL_JOINT_IDS]
+    gender = str(d["gender"]) if "gender" in d.files else "unknown"
+    return [HumanMotion(path.stem, fps, joints, str(path), [f"SMPL joints from {smpl_model.name} (clip gender "
+                                                             f"{gender})"])]
+
+
+# BVH joint names per HUMAN_JOINTS, first match wins (CMU/cgspeed, Mixamo/LAFAN1, Poser). Mixamo's 'LeftShoulder' is
+# the clavicle, so 'LeftArm' (its shoulder joint) is tried first.
+BVH_NAMES = {
+    "pelvis": ("Hips", "pelvis", "Root"), "left_hip": ("LeftHip", "LeftUpLeg", "lThigh"),
+    "right_hip": ("RightHip", "RightUpLeg", "rThigh"), "left_knee": ("LeftKnee", "LeftLeg", "lShin"),
+    "right_knee": ("RightKnee", "RightLeg", "rShin"), "left_ankle": ("LeftAnkle", "LeftFoot", "lFoot"),
+    "right_ankle": ("RightAnkle", "RightFoot", "rFoot"), "left_shoulder": ("LeftArm", "LeftShoulder", "lShldr"),
+    "right_shoulder": ("RightArm", "RightShoulder", "rShldr"), "left_elbow": ("LeftElbow", "LeftForeArm", "lForeArm"),
+    "right_elbow": ("RightElbow", "RightForeArm", "rForeArm"), "left_wrist": ("LeftWrist", "LeftHand", "lHand"),
+    "right_wrist": ("RightWrist", "RightHand", "rHand")}
+
+
+def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> list[HumanMotion]:
+    """BVH: parse the hierarchy (offsets, channels) and motion, FK to joint positions (scale_m: metres per file unit,
+    CMU/cgspeed 0.056444), rotate `up` to z-up."""
+    tokens = path.read_text(errors="replace").split()
+    names, parents, offsets, channels = [], [], [], []
+    stack: list[int] = []
+    i = 0
+
+    def broken(problem: str) -> MotionError:
+        return MotionError(path, f"broken BVH hierarchy: {problem}")
+
+    try:
+        if tokens[0].upper() != "HIERARCHY":
+            raise broken("no HIERARCHY")
+        i = 1
+        while tokens[i].upper() != "MOTION":
+            tok = tokens[i]
+            if tok in ("ROOT", "JOINT", "End"):
+                if tok == "ROOT" and names:
+                    raise broken("more than one ROOT")
+                if tok != "ROOT" and not stack:
+                    raise broken(f"{tok} outside of a joint")
+                names.append(tokens[i + 1] if tok != "End" else f"{names[stack[-1]]}_end")
+                parents.append(stack[-1] if stack else -1)
+                if tokens[i + 2] != "{" or tokens[i + 3] != "OFFSET":
+                    raise broken(f"joint {names[-1]} lacks '{{ OFFSET'")
+                offsets.append([float(v) for v in tokens[i + 4:i + 7]])
+                i += 7
+                chans: list[str] = []
+                if tokens[i] == "CHANNELS":
+                    n = int(tokens[i + 1])
+                    chans = tokens[i + 2:i + 2 + n]
+                    i += 2 + n
+                if tok != "End" and not chans:
+                    raise broken(f"joint {names[-1]} has no CHANNELS")
+                channels.append(chans)
+                stack.append(len(names) - 1)
+            elif tok == "}":
+                if not stack:
+                    raise broken("unbalanced '}'")
+                stack.pop()
+                i += 1
+            else:
+                raise broken(f"unexpected token {tok!r}")
+        if stack or not names:
+            raise broken("unbalanced braces" if stack else "no joints")
+        if tokens[i + 1] != "Frames:" or tokens[i + 3:i + 5] != ["Frame", "Time:"]:
+            raise broken("MOTION lacks 'Frames:' / 'Frame Time:'")
+        n_frames, frame_time = int(tokens[i + 2]), float(tokens[i + 5])
+        values = np.array(tokens[i + 6:], dtype=np.float64)
+    except (IndexError, ValueError) as e:
+        raise broken(f"truncated or malformed ({type(e).__name__}: {e})") from None
+    n_chan = sum(len(c) for c in channels)
+    if n_frames <= 0 or values.size != n_frames * n_chan:
+        raise MotionError(path, f"BVH motion has {values.size} numbers, expected {n_frames} frames x {n_chan} "
+                                f"channels")
+    if frame_time <= 0:
+        raise MotionError(path, f"invalid frame rate (Frame Time {frame_time})")
+    motion = torch.tensor(values.reshape(n_frames, n_chan))
+    axes = {"X": torch.tensor([1.0, 0, 0], dtype=torch.float64), "Y": torch.tensor([0, 1.0, 0], dtype=torch.float64),
+            "Z": torch.tensor([0, 0, 1.0], dtype=torch.float64)}
+    glob_q: list[torch.Tensor] = []
+    glob_p: list[torch.Tensor] = []
+    col = 0
+    for j, chans in enumerate(channels):
+        local_p = torch.tensor(offsets[j], dtype=torch.float64).expand(n_frames, 3).clone()
+        local_q = torch.tensor([1.0, 0, 0, 0], dtype=torch.float64).expand(n_frames, 4)
+        for c in chans:  # rotations compose in the listed order (intrinsic), positions replace the offset
+            if c.endswith("rotation"):
+                local_q = quat_mul(local_q, quat_from_axis_angle(axes[c[0].upper()], torch.deg2rad(motion[:, col])))
+            elif c.endswith("position"):
+                local_p[:, "XYZ".index(c[0].upper())] = motion[:, col]
+            else:
+                raise MotionError(path, f"unknown BVH channel {c}")
+            col += 1
+        p = parents[j]
+        if p < 0:
+            glob_p.append(local_p)
+            glob_q.append(local_q)
+        else:
+            glob_p.append(glob_p[p] + quat_apply(glob_q[p], local_p))
+            glob_q.append(quat_mul(glob_q[p], local_q))
+    pos = torch.stack(glob_p, dim=1).numpy() * scale_m
+    if up == "y":  # (x, y, z) y-up -> (x, -z, y) z-up: a proper rotation about x
+        pos = np.stack((pos[..., 0], -pos[..., 2], pos[..., 1]), axis=-1)
+    lower = {n.lower(): k for k, n in enumerate(names)}
+    ids = []
+    for joint, candidates in BVH_NAMES.items():
+        k = next((lower[c.lower()] for c in candidates if c.lower() in lower), None)
+        if k is None:
+            raise MotionError(path, f"BVH has no joint for {joint} (tried {', '.join(candidates)})")
+        ids.append(k)
+    return [HumanMotion(path.stem, 1.0 / frame_time, pos[:, ids], str(path))]
+
+
+def load_motions(path: pathlib.Path, fmt: str = "auto", fps: float | None = None, allow_23dof: bool = False,
+                 smpl_model: pathlib.Path | None = None, bvh_scale_m: float = 0.056444, bvh_up: str = "y"
+                 ) -> list[RobotMotion | HumanMotion]:
+    """Load one file with the loader its content (or `fmt`) asks for."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise MotionError(path, "no such file")
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    try:
+        if fmt == "g1csv":
+            return load_g1_csv(path, fps, allow_23dof)
+        if fmt == "mjlab":
+            return load_mjlab_npz(path, fps, allow_23dof)
+        if fmt == "phc":
+            return load_phc_pkl(path, fps, allow_23dof)
+        if fmt == "amass":
+            return load_amass_npz(path, fps, smpl_model)
+        if fmt == "bvh":
+            return load_bvh(path, bvh_scale_m, bvh_up)
+    except MotionError:
+        raise
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+        raise MotionError(path, f"cannot read as {fmt} ({type(e).__name__}: {e})") from None
+    raise MotionError(path, f"unknown format {fmt!r} (one of {FORMATS})")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 6. Cleaning (at the source rate), resampling to 30 fps, segmentation into 2-10 s clips.
+def clean_quaternions(path: str, quat: np.ndarray, tol: float = 1e-2) -> np.ndarray:
+    """Reject zero / clearly non-unit quaternions, renormalize the rest, flip signs so q_t . q_{t-1} >= 0."""
+    norm = np.linalg.norm(quat, axis=-1)
+    if (norm < 1e-6).any():
+        raise MotionError(path, f"zero root quaternion at frame {int(np.argmax(norm < 1e-6))}")
+    bad = np.abs(norm - 1) > tol
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise MotionError(path, f"non-unit root quaternion at frame {k} (|q| = {norm[k]:.4f}; expected 1)")
+    quat = quat / norm[:, None]
+    flips = np.cumsum(np.r_[0, (quat[1:] * quat[:-1]).sum(-1) < 0]) % 2 == 1
+    return np.where(flips[:, None], -quat, quat)
+
+
+def repair_glitches(dof: np.ndarray, fps: float, max_rad_s: float, max_window_s: float
+                    ) -> tuple[np.ndarray, int, np.ndarray]:
+    """IK flips: joint speed > max_rad_s between two frames. Each one is repaired by widening a window around the jump
+    until a straight line between the window's ends stays under max_rad_s / 2 and replacing the inside by that line.
+    Jumps that need a window longer than max_window_s stay and mark their frames bad (their segment is dropped).
+    Returns (repaired dof, number of frames changed, bad frame mask)."""
+    dof = dof.copy()
+    fast = np.abs(np.diff(dof, axis=0)) * fps > max_rad_s  # [T-1,29]
+    changed, bad = np.zeros(len(dof), bool), np.zeros(len(dof), bool)
+    last = len(dof) - 1
+    for j in np.nonzero(fast.any(axis=0))[0]:
+        covered = -1
+        for k in np.nonzero(fast[:, j])[0]:
+            if k < covered:
+                continue
+            a, b = k, k + 1
+            while True:
+                gentle = abs(dof[b, j] - dof[a, j]) * fps / (b - a) <= 0.5 * max_rad_s
+                if gentle and not (a > 0 and fast[a - 1, j]) and not (b < last and fast[b, j]):
+                    dof[a:b + 1, j] = np.linspace(dof[a, j], dof[b, j], b - a + 1)
+                    changed[a + 1:b] = True
+                    break
+                if (b - a) / fps > max_window_s or (a == 0 and b == last):
+                    bad[a:b + 1] = True
+                    break
+                a, b = max(a - 1, 0), min(b + 1, last)
+            covered = b
+    return dof, int(changed.sum()), bad
+
+
+def resample_times(n: int, fps_in: float, fps_out: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Output frame k at time k / fps_out lies between source frames i0 and i1 = i0 + 1 at weight w."""
+    n_out = int(np.floor((n - 1) * fps_out / fps_in + 1e-9)) + 1
+    x = np.arange(n_out) * fps_in / fps_out
+    i0 = np.minimum(np.floor(x + 1e-9).astype(np.int64), n - 1)
+    return i0, np.minimum(i0 + 1, n - 1), x - i0
+
+
+def resample_robot(m: RobotMotion, bad: np.ndarray, fps_out: float) -> tuple[RobotMotion, np.ndarray]:
+    """Linear interpolation for positions and joint angles, slerp for the root rotation."""
+    i0, i1, w = resample_times(len(m.dof_pos), m.fps, fps_out)
+    lerp = lambda x: x[i0] + w[:, None] * (x[i1] - x[i0])  # noqa: E731
+    quat = quat_slerp(torch.tensor(m.root_quat[i0]), torch.tensor(m.root_quat[i1]), torch.tensor(w)).numpy()
+    out = RobotMotion(m.name, fps_out, lerp(m.root_pos), quat, lerp(m.dof_pos), m.source, m.notes)
+    return out, bad[i0] | bad[i1]
+
+
+def segment_bounds(n: int, fps: float, min_s: float = 2.0, max_s: float = 10.0) -> list[tuple[int, int]]:
+    """Split n frames into the fewest equal segments of at most max_s seconds (paper: clips of 2-10 s)."""
+    if n < min_s * fps:
+        raise ValueError(f"too short: {n / fps:.2f} s after cleaning (< {min_s:g} s)")
+    k = int(np.ceil(n / (max_s * fps) - 1e-9))
+    edges = np.round(np.linspace(0, n, k + 1)).astype(int)
+    return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 7. The SSJR packet: FK of the cleaned 30 fps motion, finite-difference velocities, sparse keypoints.
+FPS = 30.0
+PACKET_KEYS = ("fps", "body_names", "dof_names", "body_pos_w", "body_rotmat_w", "body_quat_w", "body_lin_vel_w",
+               "body_ang_vel_w", "local_rot", "root_lin_vel_w", "root_ang_vel_w", "dof_pos", "dof_vel",
+               "keypoint_names", "text", "source", "license")
+HUMAN_KEYS = ("fps", "kind", "keypoint_names", "keypoints_w", "root_pos_w", "root_quat_w", "text", "source", "license")
+
+
+def angular_velocity(quat: torch.Tensor, dt_s: float) -> torch.Tensor:
+    """World-frame angular velocity [T,...,3] of rotations quat [T,...,4]: central differences
+    log(q_{t+1} q_{t-1}^-1) / 2dt inside, one-sided at the two ends."""
+    if len(quat) < 2:
+        return torch.zeros(quat.shape[:-1] + (3,), dtype=quat.dtype)
+    ends = quat_to_rotvec(quat_mul(quat[1:], quat_conj(quat[:-1]))) / dt_s  # [T-1]: forward differences
+    inner = quat_to_rotvec(quat_mul(quat[2:], quat_conj(quat[:-2]))) / (2 * dt_s)
+    return torch.cat((ends[:1], inner, ends[-1:]), dim=0)
+
+
+def robot_packet(kin: G1Kinematics, root_pos: np.ndarray, root_quat: np.ndarray, dof_pos: np.ndarray,
+                 fps: float = FPS) -> dict[str, np.ndarray]:
+    """FK + velocities for a [T] motion (T >= 2) -> packet arrays (float32; metadata is added by the caller)."""
+    f32 = dict(dtype=torch.float32)
+    rp, rq, q = torch.tensor(root_pos, **f32), torch.tensor(root_quat, **f32), torch.tensor(dof_pos, **f32)
+    with torch.no_grad():
+        body_pos, body_quat = kin.forward(rp, rq, q)
+        lin_vel = torch.gradient(body_pos, spacing=1.0 / fps, dim=0)[0]
+        ang_vel = angular_velocity(body_quat, 1.0 / fps)
+        packet = dict(body_pos_w=body_pos, body_rotmat_w=quat_to_rotmat(body_quat), body_quat_w=body_quat,
+                      body_lin_vel_w=lin_vel, body_ang_vel_w=ang_vel, local_rot=kin.local_rot(q),
+                      root_lin_vel_w=lin_vel[:, 0], root_ang_vel_w=ang_vel[:, 0], dof_pos=q,
+                      dof_vel=torch.gradient(q, spacing=1.0 / fps, dim=0)[0])
+    return {k: v.numpy() for k, v in packet.items()}
+
+
+def human_to_g1_keypoints(kin: G1Kinematics, joints: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scale a human motion (HUMAN_JOINTS [T,13,3], z-up) to the G1: keep the human's pelvis and torso frames and
+    limb directions, take the G1's own offsets and bone lengths (zero pose), scale the root path by the leg-length
+    ratio, put the feet on the ground. -> keypoints_w [T,J,3] (KEYPOINT_NAMES), root pos [T,3], heading quat [T,4]."""
+    h = {n: torch.tensor(joints[:, k], dtype=torch.float32) for k, n in enumerate(HUMAN_JOINTS)}
+    with torch.no_grad():
+        zero_pos, zero_quat = kin.forward(kin.default_root_pos, torch.tensor([1.0, 0, 0, 0]), torch.zeros(29))
+    g = {n: zero_pos[BODY_NAMES.index(n)] - zero_pos[0] for n in BODY_NAMES}  # G1 zero pose, pelvis frame = world
+    unit = lambda v: v / v.norm(dim=-1, keepdim=True).clamp_min(1e-9)  # noqa: E731
+    length = lambda a, b: (g[a] - g[b]).norm()  # noqa: E731
+
+    up = unit(0.5 * (h["left_shoulder"] + h["right_shoulder"]) - h["pelvis"])
+
+    def frame(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:  # columns: forward, left, up
+        y = unit(left - right)
+        x = unit(torch.linalg.cross(y, up, dim=-1))
+        return torch.stack((x, y, torch.linalg.cross(x, y, dim=-1)), dim=-1)
+
+    pelvis_rot, torso_rot = frame(h["left_hip"], h["right_hip"]), frame(h["left_shoulder"], h["right_shoulder"])
+    leg_h = ((h["left_knee"] - h["left_hip"]).norm(dim=-1) + (h["left_ankle"] - h["left_knee"]).norm(dim=-1) +
+             (h["right_knee"] - h["right_hip"]).norm(dim=-1) + (h["right_ankle"] - h["right_knee"]).norm(dim=-1))
+    leg_g1 = 2 * (length("left_knee_link", "left_hip_roll_link") + length("left_ankle_roll_link", "left_knee_link"))
+    pelvis = h["pelvis"] * (leg_g1 / leg_h.median())
+    torso = pelvis + pelvis_rot @ g["torso_link"]
+    kp = {"pelvis": pelvis}
+    for side in ("left", "right"):
+        hip = pelvis + pelvis_rot @ g[f"{side}_hip_roll_link"]
+        kp[f"{side}_knee_link"] = hip + length(f"{side}_knee_link", f"{side}_hip_roll_link") * unit(
+            h[f"{side}_knee"] - h[f"{side}_hip"])
+        kp[f"{side}_ankle_roll_link"] = kp[f"{side}_knee_link"] + length(
+            f"{side}_ankle_roll_link", f"{side}_knee_link") * unit(h[f"{side}_ankle"] - h[f"{side}_knee"])
+        shoulder = torso + torso_rot @ (g[f"{side}_shoulder_roll_link"] - g["torso_link"])
+        kp[f"{side}_shoulder_roll_link"] = shoulder
+        kp[f"{side}_elbow_link"] = shoulder + length(f"{side}_elbow_link", f"{side}_shoulder_roll_link") * unit(
+            h[f"{side}_elbow"] - h[f"{side}_shoulder"])
+        kp[f"{side}_wrist_yaw_link"] = kp[f"{side}_elbow_link"] + length(
+            f"{side}_wrist_yaw_link", f"{side}_elbow_link") * unit(h[f"{side}_wrist"] - h[f"{side}_elbow"])
+    keypoints = torch.stack([kp[n] for n in KEYPOINT_NAMES], dim=1)
+    # Ground: the G1's standing ankle height above its soles, at the clip's typical lowest ankle (5th percentile).
+    ankle_height = zero_pos[BODY_NAMES.index("left_ankle_roll_link"), 2] - kin.lowest_point_z(zero_pos, zero_quat)
+    lowest_ankle = keypoints[:, [KEYPOINT_NAMES.index("left_ankle_roll_link"),
+                                 KEYPOINT_NAMES.index("right_ankle_roll_link")], 2].amin(dim=1)
+    keypoints[..., 2] += ankle_height - torch.quantile(lowest_ankle, 0.05)
+    yaw = torch.atan2(pelvis_rot[:, 1, 0], pelvis_rot[:, 0, 0])
+    heading = quat_from_axis_angle(torch.tensor([0.0, 0.0, 1.0]), yaw)
+    return keypoints.numpy(), keypoints[:, 0].numpy(), heading.numpy()
+
+
+def save_packet(path: str | os.PathLike, packet: dict) -> pathlib.Path:
+    """Write a packet (robot, or kind='human_keypoints') as an uncompressed .npz: float arrays as float32, names as
+    string arrays, text/source/license as strings."""
+    path = pathlib.Path(path)
+    required = HUMAN_KEYS if packet.get("kind") == "human_keypoints" else PACKET_KEYS
+    missing = [k for k in required if k not in packet]
+    if missing:
+        raise ValueError(f"{path}: packet lacks {missing}")
+    arrays = {}
+    for k, v in packet.items():
+        v = np.asarray(v)
+        arrays[k] = v.astype(np.float32) if v.dtype.kind in "fiu" and k != "kind" else v.astype(str)
+    with open(path, "wb") as f:  # a file handle keeps np.savez from appending a second '.npz'
+        np.savez(f, **arrays)
+    return path
+
+
+def load_packet(path: str | os.PathLike) -> dict:
+    """Read a packet: dict of np arrays (float32), with fps a float, text/source/license/kind str, names lists."""
+    path = pathlib.Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as d:
+            raw = {k: d[k] for k in d.files}
+    except Exception as e:
+        raise MotionError(path, f"cannot read packet ({type(e).__name__}: {e})") from None
+    kind = str(raw.get("kind", "robot"))
+    missing = [k for k in (HUMAN_KEYS if kind == "human_keypoints" else PACKET_KEYS) if k not in raw]
+    if missing:
+        raise MotionError(path, f"not an SSJR packet: missing {missing}")
+    out: dict = {}
+    for k, v in raw.items():
+        if v.ndim == 0:
+            out[k] = float(v) if v.dtype.kind == "f" else str(v)
+        elif v.dtype.kind == "U":
+            out[k] = [str(s) for s in v]
+        else:
+            out[k] = v
+    out["kind"] = kind
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 8. The conversion pipeline: load -> clean -> resample -> segment -> FK -> checks -> packets, with a summary.
+@dataclass
+class Convert:
+    """Convert motion files (or folders of them) into SSJR packets / human keypoint commands."""
+    src: tyro.conf.Positional[tuple[pathlib.Path, ...]]
+    """motion files or folders (searched recursively for .csv .npz .pkl .bvh)"""
+    out: pathlib.Path = REPO / "data" / "packets"
+    """output folder (one .npz per 2-10 s segment, named <clip>_segNN.npz)"""
+    format: Literal["auto", "g1csv", "mjlab", "phc", "amass", "bvh"] = "auto"
+    """loader; auto = detect from the file content"""
+    fps: float | None = None
+    """source frame rate for files without one (CSV; G1 Moves 60 is also read from its manifest.json)"""
+    allow_23dof: bool = False
+    """map 23-DoF G1 data into the 29-DoF order with the 6 wrist joints at 0"""
+    smpl_model: pathlib.Path | None = None
+    """SMPL-family body model (.npz/.pkl, licensed, not shipped) needed for AMASS files"""
+    bvh_scale_m: float = 0.056444
+    """metres per BVH unit (CMU/cgspeed 0.056444)"""
+    bvh_up: Literal["y", "z"] = "y"
+    """up axis of the BVH files"""
+    glitch_rad_s: float = 25.0
+    """joint speed above which a frame transition counts as an IK glitch"""
+    glitch_window_s: float = 0.25
+    """longest window a glitch repair may rewrite; longer -> the segment is dropped"""
+    limit_tol_rad: float = 0.05
+    """joint-limit excess clipped silently; beyond it the segment is dropped (paper: discard limit violations)"""
+    penetration_m: float = 0.02
+    """a frame penetrates the ground when its lowest collision point is this far below z = 0"""
+    max_penetration_frac: float = 0.05
+    """drop a segment when more than this fraction of its frames penetrate (paper: 5%)"""
+    min_s: float = 2.0
+    """shortest segment kept (paper: 2 s)"""
+    max_s: float = 10.0
+    """longest segment (paper: 10 s); longer clips are split evenly"""
+    text: str = ""
+    """optional text description stored in every packet"""
+    license: str = ""
+    """license string stored in every packet; default: the SOURCE.txt found next to / above the file"""
+
+
+@dataclass
+class ClipReport:
+    """One row of the summary table."""
+    source: str
+    clip: str
+    kind: str = ""
+    fps_in: float = 0.0
+    seconds: float = 0.0
+    kept: int = 0
+    kept_s: float = 0.0
+    dropped: dict[str, int] = field(default_factory=dict)
+    glitch_frames: int = 0
+    clipped_frames: int = 0
+    notes: list[str] = field(default_factory=list)
+    error: str = ""
+
+
+def motion_files(src: tuple[pathlib.Path, ...]) -> list[pathlib.Path]:
+    """Files as given, plus the motion files inside given folders (sorted)."""
+    files: list[pathlib.Path] = []
+    for s in map(pathlib.Path, src):
+        if s.is_dir():
+            files += sorted(p for p in s.rglob("*") if p.suffix.lower() in MOTION_SUFFIXES and p.is_file())
+        else:
+            files.append(s)
+    return files
+
+
+def _license(path: pathlib.Path, flag: str) -> str:
+    if flag:
+        return flag
+    for folder in list(path.parents)[:3]:
+        if (folder / "SOURCE.txt").exists():
+            return " ".join((folder / "SOURCE.txt").read_text().split())
+    return "unknown (not stated by the source)"
+
+
+def _check_finite(path: str, name: str, **arrays: np.ndarray) -> None:
+    for key, a in arrays.items():
+        if len(a) == 0:
+            raise MotionError(path, f"{name}: empty clip (no frames)")
+        ok = np.isfinite(a).reshape(len(a), -1).all(axis=1)
+        if not ok.all():
+            raise MotionError(path, f"{name}: NaN/inf in {key} at frame {int(np.argmin(ok))}")
+
+
+def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: ClipReport) -> None:
+    """Clean, resample, segment, FK and check one robot clip; write its packets."""
+    _check_finite(m.source, m.name, root_pos=m.root_pos, root_quat=m.root_quat, dof_pos=m.dof_pos)
+    quat = clean_quaternions(m.source, m.root_quat)
+    dof, report.glitch_frames, bad = repair_glitches(m.dof_pos, m.fps, args.glitch_rad_s, args.glitch_window_s)
+    m, bad = resample_robot(RobotMotion(m.name, m.fps, m.root_pos, quat, dof, m.source, m.notes), bad, FPS)
+    try:
+        bounds = segment_bounds(len(m.dof_pos), FPS, args.min_s, args.max_s)
+    except ValueError as e:
+        raise MotionError(m.source, f"{m.name}: {e}") from None
+    lo, hi = kin.dof_lower_rad.numpy(), kin.dof_upper_rad.numpy()
+    excess = np.maximum(lo - m.dof_pos, m.dof_pos - hi).max(axis=1)
+    beyond_limits = excess > args.limit_tol_rad
+    report.clipped_frames = int(((excess > 1e-3) & ~beyond_limits).sum())  # below 1 mrad: the source's rounding
+    packet = robot_packet(kin, m.root_pos, m.root_quat, np.clip(m.dof_pos, lo, hi))
+    lowest = kin.lowest_point_z(torch.from_numpy(packet["body_pos_w"]), torch.from_numpy(packet["body_quat_w"]))
+    penetrating = (lowest < -args.penetration_m).numpy()
+    meta = dict(fps=FPS, kind="robot", body_names=BODY_NAMES, dof_names=DOF_NAMES, keypoint_names=KEYPOINT_NAMES,
+                text=args.text, source=m.source, license=_license(pathlib.Path(m.source), args.license))
+    for s, (a, b) in enumerate(bounds):
+        reason = ("unrepairable glitch" if bad[a:b].any() else "joint limits" if beyond_limits[a:b].any() else
+                  "ground penetration" if penetrating[a:b].mean() > args.max_penetration_frac else "")
+        if reason:
+            report.dropped[reason] = report.dropped.get(reason, 0) + 1
+            continue
+        save_packet(args.out / f"{m.name}_seg{s:02d}.npz", {**meta, **{k: v[a:b] for k, v in packet.items()}})
+        report.kept += 1
+        report.kept_s += (b - a) / FPS
+
+
+def convert_human(m: HumanMotion, kin: G1Kinematics, args: Convert, report: ClipReport) -> None:
+    """Resample a human clip, scale it to the G1 as SSJR keypoints, segment, write keypoint command files."""
+    _check_finite(m.source, m.name, joints=m.joints)
+    i0, i1, w = resample_times(len(m.joints), m.fps, FPS)
+    joints = m.joints[i0] + w[:, None, None] * (m.joints[i1] - m.joints[i0])
+    try:
+        bounds = segment_bounds(len(joints), FPS, args.min_s, args.max_s)
+    except ValueError as e:
+        raise MotionError(m.source, f"{m.name}: {e}") from None
+    keypoints, root_pos, root_quat = human_to_g1_keypoints(kin, joints)
+    meta = dict(fps=FPS, kind="human_keypoints", keypoint_names=KEYPOINT_NAMES, text=args.text, source=m.source,
+                license=_license(pathlib.Path(m.source), args.license))
+    for s, (a, b) in enumerate(bounds):
+        save_packet(args.out / f"{m.name}_seg{s:02d}.npz", {**meta, "keypoints_w": keypoints[a:b],
+                                                             "root_pos_w": root_pos[a:b], "root_quat_w": root_quat[a:b]})
+        report.kept += 1
+        report.kept_s += (b - a) / FPS
+
+
+def convert(args: Convert) -> list[ClipReport]:
+    """Convert every file; a bad file or clip is reported (one line on stderr) and skipped."""
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        probe = args.out / f".ssjr-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise MotionError(args.out, f"output folder is not writable ({e.strerror or e})") from None
+    kin = G1Kinematics()
+    reports = []
+    for path in motion_files(args.src):
+        try:
+            motions = load_motions(path, args.format, args.fps, args.allow_23dof, args.smpl_model, args.bvh_scale_m,
+                                   args.bvh_up)
+        except MotionError as e:
+            print(e, file=sys.stderr)
+            reports.append(ClipReport(str(path), path.stem, error=str(e)))
+            continue
+        for m in motions:
+            robot = isinstance(m, RobotMotion)
+            report = ClipReport(m.source, m.name, "robot" if robot else "human", m.fps,
+                                len(m.dof_pos if robot else m.joints) / m.fps, notes=m.notes)
+            try:
+                (convert_robot if robot else convert_human)(m, kin, args, report)
+            except MotionError as e:
+                print(e, file=sys.stderr)
+                report.error = str(e)
+            reports.append(report)
+    return reports
+
+
+def summary_table(reports: list[ClipReport], seconds: float) -> str:
+    """The per-clip table and totals printed by `convert`."""
+    lines = [f"{'clip':<44} {'kind':<6} {'fps':>4} {'src s':>6} {'kept':>4} {'kept s':>7} {'glitch fr':>9} "
+             f"{'clipped':>7}  dropped / note"]
+    for r in reports:
+        what = r.error.split(": ", 1)[-1] if r.error else ", ".join(
+            [f"{n} {k}" for k, n in r.dropped.items()] + r.notes)
+        lines.append(f"{r.clip[:44]:<44} {r.kind:<6} {r.fps_in:>4.0f} {r.seconds:>6.1f} {r.kept:>4} {r.kept_s:>7.1f} "
+                     f"{r.glitch_frames:>9} {r.clipped_frames:>7}  {what}")
+    ok = [r for r in reports if r.kept]
+    reasons: dict[str, int] = {}
+    for r in reports:
+        key = "failed: " + r.error.split(": ", 1)[-1].split(" (")[0].split(":")[0] if r.error else (
+            "all segments dropped" if not r.kept else "")
+        if key:
+            reasons[key] = reasons.get(key, 0) + 1
+    segs_dropped: dict[str, int] = {}
+    for r in reports:
+        for k, n in r.dropped.items():
+            segs_dropped[k] = segs_dropped.get(k, 0) + n
+    lines.append(f"clips: {len(reports)} in, {len(ok)} kept, {len(reports) - len(ok)} dropped "
+                 f"{dict(sorted(reasons.items())) or ''}")
+    lines.append(f"segments: {sum(r.kept for r in reports)} kept, {sum(segs_dropped.values())} dropped "
+                 f"{segs_dropped or ''}; glitch frames repaired {sum(r.glitch_frames for r in reports)}")
+    lines.append(f"motion: {sum(r.seconds for r in reports) / 60:.1f} min in, "
+                 f"{sum(r.kept_s for r in reports) / 60:.1f} min kept; {seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def train_test_split(packet_paths) -> tuple[list, list]:
+    """(train, test): a packet is test when its name is a TEST_CLIPS clip or one of its segments (<clip>_segNN)."""
+    train, test = [], []
+    for p in packet_paths:
+        stem = pathlib.Path(p).stem
+        (test if any(stem == c or stem.startswith(c + "_seg") for c in TEST_CLIPS) else train).append(p)
+    return train, test
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 9. Looking at a motion: a strip of skeleton frames (.png) or an animation (.mp4 / .gif), z-up, equal axes.
+def _skeleton(points: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]], list[str]]:
+    """Points to draw [T,P,3] and their lines (with colours): the G1 tree when B = 30 (plus a drawn neck and head:
+    torso_link's origin sits at the waist), KEYPOINT_EDGES when B = J, no lines otherwise."""
+    if points.shape[1] == len(BODY_NAMES):
+        names = list(BODY_NAMES)
+        shoulders = [BODY_NAMES.index("left_shoulder_pitch_link"), BODY_NAMES.index("right_shoulder_pitch_link")]
+        torso = BODY_NAMES.index("torso_link")
+        neck = points[:, shoulders].mean(axis=1)
+        head = neck + 0.12 * (neck - points[:, torso]) / np.linalg.norm(neck - points[:, torso], axis=-1)[:, None]
+        points = np.concatenate((points, neck[:, None], head[:, None]), axis=1)
+        n = len(BODY_NAMES)
+        edges = [(p, i) for i, p in enumerate(BODY_PARENTS) if p >= 0 and i not in shoulders]
+        edges += [(torso, n), (n, n + 1), (n, shoulders[0]), (n, shoulders[1])]
+        names += ["neck", "head"]
+    elif points.shape[1] == len(KEYPOINT_NAMES):
+        names, edges = list(KEYPOINT_NAMES), list(KEYPOINT_EDGES)
+    else:
+        return points, [], []
+    side = lambda n: "tab:blue" if n.startswith("left") else "tab:red" if n.startswith("right") else "0.25"  # noqa
+    return points, edges, [side(names[b]) for _, b in edges]
+
+
+def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
+                  extra_points: np.ndarray | None = None, title: str = "") -> pathlib.Path:
+    """Draw body_pos [T,B,3] (lines along the G1 tree when B = 30, along KEYPOINT_EDGES when B = J) with
+    extra_points [T,J,3] highlighted: .png = a strip of 8 frames, .mp4 / .gif = an animation at fps. z-up, equal
+    axes, the camera follows the root (point 0), its path drawn on the ground."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out_path = pathlib.Path(out_path)
+    suffix = out_path.suffix.lower()
+    if suffix not in (".png", ".mp4", ".gif"):
+        raise ValueError(f"{out_path}: render to .png, .mp4 or .gif")
+    body_pos = np.asarray(body_pos, dtype=np.float64)
+    points, edges, colors = _skeleton(body_pos)
+    everything = points if extra_points is None else np.concatenate((points, extra_points), axis=1)
+    center = body_pos[:, 0, :2]
+    half = max(0.5, np.abs(everything[..., :2] - center[:, None]).max() + 0.05, 0.5 * everything[..., 2].max() + 0.05)
+
+    def make(ax):
+        """Create the artists of one view once; the returned update(t, label) moves them to frame t."""
+        grid = [ax.plot([], [], [], color="0.85", lw=0.6)[0] for _ in range(10)]
+        path = ax.plot([], [], [], color="0.55", lw=1.2)[0]
+        lines = [ax.plot([], [], [], color=c, lw=2.5, solid_capstyle="round")[0] for c in colors]
+        dots = ax.scatter(*points[0].T, s=5, color="0.2", depthshade=False)
+        keys = None if extra_points is None else ax.scatter(*np.asarray(extra_points[0]).T, s=45, color="orange",
+                                                             edgecolors="k", linewidths=0.6, depthshade=False)
+        ax.set_box_aspect((1, 1, 1))
+        ax.view_init(elev=10, azim=-60)
+        for axis, name in zip((ax.xaxis, ax.yaxis, ax.zaxis), "xyz"):
+            axis.set_label_text(f"{name} (m)", fontsize=7)
+            axis.labelpad = -9
+        ax.tick_params(labelsize=6, pad=-3)
+
+        def update(t: int, label: str) -> None:
+            cx, cy = center[t]
+            for k, g in enumerate(np.linspace(-half, half, 5)):  # ground grid at z = 0
+                grid[2 * k].set_data_3d([cx + g, cx + g], [cy - half, cy + half], [0, 0])
+                grid[2 * k + 1].set_data_3d([cx - half, cx + half], [cy + g, cy + g], [0, 0])
+            trail = center[:t + 1].copy()
+            trail[(np.abs(trail - center[t]) > half).any(axis=1)] = np.nan
+            path.set_data_3d(trail[:, 0], trail[:, 1], np.zeros(len(trail)))
+            p = points[t]
+            for line, (a, b) in zip(lines, edges):
+                line.set_data_3d(*p[[a, b]].T)
+            dots._offsets3d = tuple(p.T)
+            if keys is not None:
+                keys._offsets3d = tuple(np.asarray(extra_points[t]).T)
+            ax.set(xlim=(cx - half, cx + half), ylim=(cy - half, cy + half), zlim=(0, 2 * half))
+            ax.set_title(label, fontsize=9, pad=-2)
+
+        return update
+
+    legend = "z up, metres; lines: left blue, right red" + (
+        "; orange dots: SSJR keypoints" if extra_points is not None else "")
+    heading = f"{title}\n{legend}" if title else legend
+    if suffix == ".png":
+        n = min(8, len(body_pos))
+        cols, rows = min(n, 4), int(np.ceil(n / 4))
+        fig = Figure(figsize=(3.3 * cols, 3.5 * rows + 0.6))
+        FigureCanvasAgg(fig)
+        for k, t in enumerate(np.linspace(0, len(body_pos) - 1, n).round().astype(int)):
+            make(fig.add_subplot(rows, cols, k + 1, projection="3d"))(t, f"t = {t / fps:.2f} s")
+        fig.suptitle(heading, fontsize=10, y=0.995)
+        fig.subplots_adjust(left=0.0, right=0.98, bottom=0.02, top=1 - 0.6 / (3.5 * rows + 0.6), wspace=0.05,
+                            hspace=0.1)
+        fig.savefig(out_path, dpi=110)
+        return out_path
+    import matplotlib
+    from matplotlib import animation
+    fig = Figure(figsize=(5, 5.4))
+    FigureCanvasAgg(fig)
+    update = make(fig.add_subplot(1, 1, 1, projection="3d"))
+    fig.suptitle(heading, fontsize=8)
+    fig.subplots_adjust(left=0, right=1, bottom=0, top=0.9)
+    anim = animation.FuncAnimation(fig, lambda t: update(t, f"t = {t / fps:.2f} s"), frames=len(body_pos))
+    if suffix == ".mp4":
+        import imageio_ffmpeg
+        matplotlib.rcParams["animation.ffmpeg_path"] = imageio_ffmpeg.get_ffmpeg_exe()
+        writer = animation.FFMpegWriter(fps=fps, bitrate=1800)
+    else:
+        writer = animation.PillowWriter(fps=fps)
+    anim.save(out_path, writer=writer, dpi=100)
+    return out_path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 10. Command line: convert / info / show.
+@dataclass
+class Info:
+    """Print what a packet or keypoint command file holds."""
+    packet: tyro.conf.Positional[pathlib.Path]
+    """an SSJR packet or human keypoint command (.npz)"""
+
+
+@dataclass
+class Show:
+    """Draw a packet: a strip of frames (.png) or an animation (.mp4 / .gif)."""
+    packet: tyro.conf.Positional[pathlib.Path]
+    """an SSJR packet or human keypoint command (.npz)"""
+    out: pathlib.Path = pathlib.Path("clip.png")
+    """output picture or animation"""
+    start_s: float = 0.0
+    """first second drawn"""
+    duration_s: float | None = None
+    """seconds drawn (default: to the end)"""
+
+
+def info(packet_path: pathlib.Path) -> str:
+    p = load_packet(packet_path)
+    lines = [f"{packet_path}  kind={p['kind']}  fps={p['fps']:g}"]
+    for k, v in p.items():
+        if isinstance(v, np.ndarray):
+            lines.append(f"  {k:<16} {str(v.shape):<16} {v.dtype}  range [{v.min():.3f}, {v.max():.3f}]")
+        elif isinstance(v, list):
+            lines.append(f"  {k:<16} [{len(v)}] {', '.join(v[:4])}{', ...' if len(v) > 4 else ''}")
+    pos = p["body_pos_w"][:, 0] if p["kind"] == "robot" else p["root_pos_w"]
+    lines.append(f"  frames {len(pos)} = {len(pos) / p['fps']:.2f} s; root travels "
+                 f"{np.linalg.norm(np.diff(pos[:, :2], axis=0), axis=1).sum():.2f} m, height "
+                 f"{pos[:, 2].min():.2f}-{pos[:, 2].max():.2f} m")
+    if p["kind"] == "robot":
+        lines.append(f"  max |dof vel| {np.abs(p['dof_vel']).max():.1f} rad/s ({DOF_NAMES[np.abs(p['dof_vel']).max(0).argmax()]})")
+    lines += [f"  text: {p['text']!r}", f"  source: {p['source']}", f"  license: {p['license']}"]
+    return "\n".join(lines)
+
+
+def show(args: Show) -> pathlib.Path:
+    p = load_packet(args.packet)
+    first = int(round(args.start_s * p["fps"]))
+    last = None if args.duration_s is None else first + max(1, int(round(args.duration_s * p["fps"])))
+    window = slice(first, last)
+    if p["kind"] == "robot":
+        body, extra = p["body_pos_w"][window], p["body_pos_w"][window][:, KEYPOINT_BODY_IDS]
+    else:
+        body, extra = p["keypoints_w"][window], p["keypoints_w"][window]
+    if len(body) == 0:
+        raise MotionError(args.packet, f"no frames after {args.start_s} s")
+    return render_motion(body, args.out, p["fps"], extra, title=f"{args.packet.stem} ({p['kind']})")
+
+
+def main() -> None:
+    cmd = tyro.extras.subcommand_cli_from_dict({"convert": Convert, "info": Info, "show": Show})
+    torch.set_num_threads(1)  # small tensors: threads only add overhead (and the machine is shared)
+    try:
+        if isinstance(cmd, Convert):
+            start = time.perf_counter()
+            reports = convert(cmd)
+            print(summary_table(reports, time.perf_counter() - start))
+            if reports and not any(r.kept for r in reports):
+                sys.exit(1)
+        elif isinstance(cmd, Info):
+            print(info(cmd.packet))
+        else:
+            print(f"wrote {show(cmd)}")
+    except MotionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
