@@ -608,3 +608,69 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     else:
         raise ValueError(f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
     return TrackingEnv(engine, MotionLib(paths, device), ground, dr, seed, start)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Benchmark: our env vs the raw engine stepping the same scene (same adapter, same N, same run).
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Bench:
+    """python envs.py bench --sim genesis --num-envs 64"""
+    sim: str = "genesis"
+    """isaaclab | genesis"""
+    num_envs: int = 64
+    """parallel environments"""
+    device: str = "cpu"
+    """simulation device"""
+    steps: int = 100
+    """control steps timed (after 10 warm-up steps)"""
+    motions: str = "data/packets/g1_moves"
+    """SSJR packet folder or file"""
+    terrain: str = "flat"
+    """flat | smooth_slope | rough_slope | mix"""
+    dr: bool = True
+    """domain randomization on"""
+    torch_threads: int = 1
+    """torch intra-op threads (1 is fastest for small batched ops on a 2-core machine)"""
+
+
+def bench(args: Bench) -> dict[str, float]:
+    torch.set_num_threads(args.torch_threads)
+    t0 = time.time()
+    env = make_env(args.sim, args.num_envs, args.device, args.motions, DR() if args.dr else None, args.terrain)
+    obs = env.reset()
+    build_s = time.time() - t0
+    sim, n = env.sim, args.num_envs
+
+    def raw_control_step(q_hold):
+        """The engine alone: the same explicit PD at 200 Hz toward a fixed pose, no task logic."""
+        for _ in range(DECIMATION):
+            q, qd = sim.dof_state()
+            sim.step((env.kp * (q_hold - q) - env.kd * qd).clamp(-env.effort_limit_nm, env.effort_limit_nm))
+
+    def timed(fn, steps):
+        for _ in range(10):
+            fn()
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return n * steps / (time.perf_counter() - start)
+
+    q_hold = sim.dof_state()[0].clone()
+    holder = {"obs": obs}
+
+    def env_step():
+        holder["obs"] = env.step(holder["obs"]["ref_dof_pos"])[0]
+
+    raw = timed(lambda: raw_control_step(q_hold), args.steps)
+    ours = timed(env_step, args.steps)
+    result = {"build_s": build_s, "raw_env_steps_per_s": raw, "env_steps_per_s": ours, "ratio": ours / raw}
+    print(f"{args.sim} ({args.device}), {n} envs, terrain {args.terrain}, DR {'on' if args.dr else 'off'}: "
+          f"raw engine {raw:,.0f} env-steps/s | HoRD env {ours:,.0f} env-steps/s | ratio {ours / raw:.2f} "
+          f"(build {build_s:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    import tyro
+    tyro.extras.subcommand_cli_from_dict({"bench": bench})

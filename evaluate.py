@@ -624,7 +624,7 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]
         clips = col("clip")
         if not bool((clips == clip).all()):
             raise RuntimeError(f"env {i} played clip(s) {clips.unique().tolist()} where the frame0 schedule "
-                               f"says clip {clip}: evaluate.py needs make_env(start='frame0') to play clips i, i+N, ...")
+                               f"says clip {clip}: evaluate.py needs make_env(start='frame0') (clips i, i+N, ...)")
         rec = {"clip": clip, "episode": episode, "steps": len(window), "truncated": truncated,
                "failed": bool(window[-1]["failed"][i]), "time_out": bool(window[-1]["time_out"][i]),
                "nan": bool(window[-1]["nan"][i]),
@@ -770,6 +770,9 @@ def main(args: Args) -> dict:
                                     title=f"{label} | {setting.title} | {row['clip']} | seed {seed}")
                     bar.update(1)
     bar.close()
+    order = {"label": labels, "setting": [s.name for s in settings], "clip": clips}
+    rows.sort(key=lambda r: (order["label"].index(r["label"]), order["setting"].index(r["setting"]), r["seed"],
+                             order["clip"].index(r["clip"]), r["episode"]))  # episodes finish in any order
     return write_outputs(args.out_dir, rows, labels, settings, args.alpha)
 
 

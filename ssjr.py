@@ -1,6 +1,18 @@
 """SSJR: the Standardized Sparse-Joint Representation of HoRD (paper Sec. 3.2).
 
-load -> clean -> resample (30 fps) -> forward kinematics -> packet -> sparse root-relative keypoints.
+Every motion source becomes one representation the teacher, the student and the evaluation read:
+  load      G1 CSV (xyzw root quat), BeyondMimic/mjlab npz, PHC pkl, AMASS npz (+ the user's SMPL model), BVH
+  clean     unit and sign-continuous root quaternions, IK-flip repair (joint speed > 25 rad/s), joint limits
+  resample  to 30 fps (linear for positions and joint angles, slerp for rotations)
+  segment   into 2-10 s clips; drop those with limit violations or > 5% of frames in the ground (paper)
+  FK        batched torch forward kinematics of the G1 MJCF -> world poses of all 30 bodies, velocities
+  packet    one float32 .npz per segment (layout of the paper's example, see PACKET_KEYS and the contract)
+  keypoints the sparse joint set KEYPOINT_NAMES, root-relative in the heading frame: the student's command Y_t.
+Robot sources give full packets; human sources (AMASS joints, BVH) give keypoint commands scaled to the G1.
+
+  python ssjr.py convert ../shared/data/g1_moves --out data/packets/g1_moves
+  python ssjr.py info data/packets/g1_moves/M_Move7_seg00.npz
+  python ssjr.py show data/packets/g1_moves/M_Move7_seg00.npz --out clip.png   # or .mp4 / .gif
 """
 from __future__ import annotations
 
@@ -311,8 +323,9 @@ class G1Kinematics:
     def forward(self, root_pos: torch.Tensor, root_quat: torch.Tensor, dof_pos: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """root_pos [...,3], root_quat [...,4] wxyz, dof_pos [...,29] -> body_pos [...,B,3], body_quat [...,B,4]."""
-        local = self.local_rot(dof_pos)
-        body_pos, body_quat = [root_pos], [quat_normalize(root_quat)]
+        batch = torch.broadcast_shapes(root_pos.shape[:-1], root_quat.shape[:-1], dof_pos.shape[:-1])
+        local = self.local_rot(dof_pos.expand(batch + (29,)))
+        body_pos, body_quat = [root_pos.expand(batch + (3,))], [quat_normalize(root_quat).expand(batch + (4,))]
         for i in range(1, len(self.parents)):
             p = self.parents[i]
             q = quat_mul(body_quat[p], local[..., i - 1, :])
@@ -360,6 +373,7 @@ class MotionError(ValueError):
 
     def __init__(self, path: str | os.PathLike, problem: str):
         super().__init__(f"{path}: {problem}")
+        self.path, self.problem = str(path), problem
 
 
 @dataclass
@@ -404,7 +418,8 @@ def detect_format(path: pathlib.Path) -> str:
         raise MotionError(path, "empty file")
     if head.startswith(b"PK"):
         try:
-            keys = set(np.load(path, allow_pickle=False).files)
+            with np.load(path, allow_pickle=False) as npz:
+                keys = set(npz.files)
         except Exception as e:
             raise MotionError(path, f"corrupt npz ({type(e).__name__}: {e})") from None
         if "poses" in keys:
@@ -475,8 +490,9 @@ def load_g1_csv(path: pathlib.Path, fps: float | None = None, allow_23dof: bool 
 
 def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bool = False) -> list[RobotMotion]:
     """BeyondMimic/mjlab npz: fps, joint_pos [T,29] (+ body_pos_w/body_quat_w for the root) or [T,36] (root first)."""
-    d = np.load(path, allow_pickle=False)
-    fps = _fps(path, d["fps"] if "fps" in d.files else None, fps)
+    with np.load(path, allow_pickle=False) as npz:
+        d = dict(npz)
+    fps = _fps(path, d.get("fps"), fps)
     joint_pos = np.asarray(d["joint_pos"], dtype=np.float64)
     if joint_pos.ndim != 2 or len(joint_pos) == 0:
         raise MotionError(path, f"joint_pos must be [T,29] or [T,36] with T > 0, got {joint_pos.shape}")
@@ -484,12 +500,13 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
     if joint_pos.shape[1] == 36:
         root_pos, root_quat, dof = joint_pos[:, :3], joint_pos[:, 3:7], joint_pos[:, 7:]
     else:
-        if "body_pos_w" not in d.files or "body_quat_w" not in d.files:
-            raise MotionError(path, "no root pose: joint_pos has no root columns and body_pos_w/body_quat_w are missing")
-        names = [str(n) for n in d["body_names"]] if "body_names" in d.files else ["pelvis"]
+        if "body_pos_w" not in d or "body_quat_w" not in d:
+            raise MotionError(path, "no root pose: joint_pos has no root columns and body_pos_w/body_quat_w are "
+                                    "missing")
+        names = [str(n) for n in d.get("body_names", ["pelvis"])]
         root = names.index("pelvis") if "pelvis" in names else 0
         root_pos, root_quat, dof = d["body_pos_w"][:, root], d["body_quat_w"][:, root], joint_pos
-        if "joint_names" in d.files and dof.shape[1] == 29:
+        if "joint_names" in d and dof.shape[1] == 29:
             names = [str(n) for n in d["joint_names"]]
             missing = [n for n in DOF_NAMES if n not in names]
             if missing:
@@ -535,7 +552,8 @@ def load_smpl_model(path: pathlib.Path) -> dict[str, np.ndarray]:
             with open(path, "rb") as f:
                 model = dict(pickle.load(f, encoding="latin1"))
         else:
-            model = dict(np.load(path, allow_pickle=False))
+            with np.load(path, allow_pickle=False) as npz:
+                model = dict(npz)
     except ModuleNotFoundError as e:
         raise MotionError(path, f"SMPL model pickle needs {e.name}; save it as .npz (v_template, shapedirs, "
                                 f"J_regressor, kintree_table) instead") from None
@@ -575,13 +593,14 @@ def load_amass_npz(path: pathlib.Path, fps: float | None = None, smpl_model: pat
                    ) -> list[HumanMotion]:
     """AMASS npz (poses [T,72|156|165], trans [T,3], betas, mocap_framerate|mocap_frame_rate, gender), z-up.
     The SMPL body model is licensed and not shipped: joints need the user's model file (--smpl-model)."""
-    d = np.load(path, allow_pickle=False)
+    with np.load(path, allow_pickle=False) as npz:
+        d = dict(npz)
     if smpl_model is None:
         raise MotionError(path, "AMASS/SMPL poses need the SMPL body model, which is licensed and not shipped; "
                                 "download it (smpl.is.tue.mpg.de) and pass --smpl-model /path/to/model.npz")
-    rate = next((d[k] for k in ("mocap_framerate", "mocap_frame_rate") if k in d.files), None)
+    rate = d.get("mocap_framerate", d.get("mocap_frame_rate"))
     fps = _fps(path, rate, fps)
-    missing = [k for k in ("poses", "trans") if k not in d.files]
+    missing = [k for k in ("poses", "trans") if k not in d]
     if missing:
         raise MotionError(path, f"AMASS npz lacks {missing}")
     poses, trans = np.asarray(d["poses"], np.float64), np.asarray(d["trans"], np.float64)
@@ -589,9 +608,9 @@ def load_amass_npz(path: pathlib.Path, fps: float | None = None, smpl_model: pat
         raise MotionError(path, f"AMASS poses must be [T,>=66] with trans [T,3], got {poses.shape} and {trans.shape}")
     if not (np.isfinite(poses).all() and np.isfinite(trans).all()):
         raise MotionError(path, "NaN/inf in poses or trans")
-    betas = np.asarray(d["betas"], np.float64).reshape(-1) if "betas" in d.files else np.zeros(0)
+    betas = np.asarray(d.get("betas", np.zeros(0)), np.float64).reshape(-1)
     joints = smpl_joints(load_smpl_model(smpl_model), poses, trans, betas)[:, SMPL_JOINT_IDS]
-    gender = str(d["gender"]) if "gender" in d.files else "unknown"
+    gender = str(d.get("gender", "unknown"))
     return [HumanMotion(path.stem, fps, joints, str(path), [f"SMPL joints from {smpl_model.name} (clip gender "
                                                              f"{gender})"])]
 
@@ -981,6 +1000,9 @@ class ClipReport:
     clipped_frames: int = 0
     notes: list[str] = field(default_factory=list)
     error: str = ""
+    """the one-line MotionError of a clip that failed"""
+    problem: str = ""
+    """the same without the path"""
 
 
 def motion_files(src: tuple[pathlib.Path, ...]) -> list[pathlib.Path]:
@@ -1003,25 +1025,33 @@ def _license(path: pathlib.Path, flag: str) -> str:
     return "unknown (not stated by the source)"
 
 
-def _check_finite(path: str, name: str, **arrays: np.ndarray) -> None:
+def _check_finite(where: str, **arrays: np.ndarray) -> None:
     for key, a in arrays.items():
         if len(a) == 0:
-            raise MotionError(path, f"{name}: empty clip (no frames)")
+            raise MotionError(where, "empty clip (no frames)")
         ok = np.isfinite(a).reshape(len(a), -1).all(axis=1)
         if not ok.all():
-            raise MotionError(path, f"{name}: NaN/inf in {key} at frame {int(np.argmin(ok))}")
+            raise MotionError(where, f"NaN/inf in {key} at frame {int(np.argmin(ok))}")
+
+
+def _where(m: RobotMotion | HumanMotion) -> str:
+    """How errors name a clip: its file, plus the clip's name when the file holds several clips."""
+    return m.source if m.name == pathlib.Path(m.source).stem else f"{m.source} [{m.name}]"
 
 
 def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: ClipReport) -> None:
     """Clean, resample, segment, FK and check one robot clip; write its packets."""
-    _check_finite(m.source, m.name, root_pos=m.root_pos, root_quat=m.root_quat, dof_pos=m.dof_pos)
-    quat = clean_quaternions(m.source, m.root_quat)
+    shapes = (m.root_pos.shape, m.root_quat.shape, m.dof_pos.shape)
+    if shapes != ((len(m.dof_pos), 3), (len(m.dof_pos), 4), (len(m.dof_pos), 29)):
+        raise MotionError(_where(m), f"root pos / root quat / dof shapes {shapes} do not match [T,3] [T,4] [T,29]")
+    _check_finite(_where(m), root_pos=m.root_pos, root_quat=m.root_quat, dof_pos=m.dof_pos)
+    quat = clean_quaternions(_where(m), m.root_quat)
     dof, report.glitch_frames, bad = repair_glitches(m.dof_pos, m.fps, args.glitch_rad_s, args.glitch_window_s)
     m, bad = resample_robot(RobotMotion(m.name, m.fps, m.root_pos, quat, dof, m.source, m.notes), bad, FPS)
     try:
         bounds = segment_bounds(len(m.dof_pos), FPS, args.min_s, args.max_s)
     except ValueError as e:
-        raise MotionError(m.source, f"{m.name}: {e}") from None
+        raise MotionError(_where(m), str(e)) from None
     lo, hi = kin.dof_lower_rad.numpy(), kin.dof_upper_rad.numpy()
     excess = np.maximum(lo - m.dof_pos, m.dof_pos - hi).max(axis=1)
     beyond_limits = excess > args.limit_tol_rad
@@ -1044,19 +1074,19 @@ def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: Clip
 
 def convert_human(m: HumanMotion, kin: G1Kinematics, args: Convert, report: ClipReport) -> None:
     """Resample a human clip, scale it to the G1 as SSJR keypoints, segment, write keypoint command files."""
-    _check_finite(m.source, m.name, joints=m.joints)
+    _check_finite(_where(m), joints=m.joints)
     i0, i1, w = resample_times(len(m.joints), m.fps, FPS)
     joints = m.joints[i0] + w[:, None, None] * (m.joints[i1] - m.joints[i0])
     try:
         bounds = segment_bounds(len(joints), FPS, args.min_s, args.max_s)
     except ValueError as e:
-        raise MotionError(m.source, f"{m.name}: {e}") from None
+        raise MotionError(_where(m), str(e)) from None
     keypoints, root_pos, root_quat = human_to_g1_keypoints(kin, joints)
     meta = dict(fps=FPS, kind="human_keypoints", keypoint_names=KEYPOINT_NAMES, text=args.text, source=m.source,
                 license=_license(pathlib.Path(m.source), args.license))
     for s, (a, b) in enumerate(bounds):
-        save_packet(args.out / f"{m.name}_seg{s:02d}.npz", {**meta, "keypoints_w": keypoints[a:b],
-                                                             "root_pos_w": root_pos[a:b], "root_quat_w": root_quat[a:b]})
+        window = dict(keypoints_w=keypoints[a:b], root_pos_w=root_pos[a:b], root_quat_w=root_quat[a:b])
+        save_packet(args.out / f"{m.name}_seg{s:02d}.npz", {**meta, **window})
         report.kept += 1
         report.kept_s += (b - a) / FPS
 
@@ -1078,7 +1108,7 @@ def convert(args: Convert) -> list[ClipReport]:
                                    args.bvh_up)
         except MotionError as e:
             print(e, file=sys.stderr)
-            reports.append(ClipReport(str(path), path.stem, error=str(e)))
+            reports.append(ClipReport(str(path), path.stem, error=str(e), problem=e.problem))
             continue
         for m in motions:
             robot = isinstance(m, RobotMotion)
@@ -1088,37 +1118,32 @@ def convert(args: Convert) -> list[ClipReport]:
                 (convert_robot if robot else convert_human)(m, kin, args, report)
             except MotionError as e:
                 print(e, file=sys.stderr)
-                report.error = str(e)
+                report.error, report.problem = str(e), e.problem
             reports.append(report)
     return reports
 
 
 def summary_table(reports: list[ClipReport], seconds: float) -> str:
-    """The per-clip table and totals printed by `convert`."""
+    """The per-clip table and the totals printed by `convert`: clips kept / dropped and why, minutes kept."""
     lines = [f"{'clip':<44} {'kind':<6} {'fps':>4} {'src s':>6} {'kept':>4} {'kept s':>7} {'glitch fr':>9} "
              f"{'clipped':>7}  dropped / note"]
+    clip_reasons: dict[str, int] = {}
+    segment_reasons: dict[str, int] = {}
     for r in reports:
-        what = r.error.split(": ", 1)[-1] if r.error else ", ".join(
-            [f"{n} {k}" for k, n in r.dropped.items()] + r.notes)
+        dropped = [f"{n} seg: {k}" for k, n in r.dropped.items()]
         lines.append(f"{r.clip[:44]:<44} {r.kind:<6} {r.fps_in:>4.0f} {r.seconds:>6.1f} {r.kept:>4} {r.kept_s:>7.1f} "
-                     f"{r.glitch_frames:>9} {r.clipped_frames:>7}  {what}")
-    ok = [r for r in reports if r.kept]
-    reasons: dict[str, int] = {}
-    for r in reports:
-        key = "failed: " + r.error.split(": ", 1)[-1].split(" (")[0].split(":")[0] if r.error else (
-            "all segments dropped" if not r.kept else "")
-        if key:
-            reasons[key] = reasons.get(key, 0) + 1
-    segs_dropped: dict[str, int] = {}
-    for r in reports:
+                     f"{r.glitch_frames:>9} {r.clipped_frames:>7}  {r.problem or ', '.join(dropped + r.notes)}")
+        why = r.problem.split(" (")[0].split(";")[0].split(":")[0] or ("" if r.kept else "all segments dropped")
+        if why:
+            clip_reasons[why] = clip_reasons.get(why, 0) + 1
         for k, n in r.dropped.items():
-            segs_dropped[k] = segs_dropped.get(k, 0) + n
-    lines.append(f"clips: {len(reports)} in, {len(ok)} kept, {len(reports) - len(ok)} dropped "
-                 f"{dict(sorted(reasons.items())) or ''}")
-    lines.append(f"segments: {sum(r.kept for r in reports)} kept, {sum(segs_dropped.values())} dropped "
-                 f"{segs_dropped or ''}; glitch frames repaired {sum(r.glitch_frames for r in reports)}")
+            segment_reasons[k] = segment_reasons.get(k, 0) + n
+    kept = sum(1 for r in reports if r.kept)
+    lines.append(f"clips: {len(reports)} in, {kept} kept, {len(reports) - kept} dropped {clip_reasons or ''}")
+    lines.append(f"segments: {sum(r.kept for r in reports)} kept, {sum(segment_reasons.values())} dropped "
+                 f"{segment_reasons or ''}; IK-glitch frames repaired: {sum(r.glitch_frames for r in reports)}")
     lines.append(f"motion: {sum(r.seconds for r in reports) / 60:.1f} min in, "
-                 f"{sum(r.kept_s for r in reports) / 60:.1f} min kept; {seconds:.1f} s")
+                 f"{sum(r.kept_s for r in reports) / 60:.1f} min kept; took {seconds:.1f} s")
     return "\n".join(lines)
 
 
@@ -1275,7 +1300,8 @@ def info(packet_path: pathlib.Path) -> str:
                  f"{np.linalg.norm(np.diff(pos[:, :2], axis=0), axis=1).sum():.2f} m, height "
                  f"{pos[:, 2].min():.2f}-{pos[:, 2].max():.2f} m")
     if p["kind"] == "robot":
-        lines.append(f"  max |dof vel| {np.abs(p['dof_vel']).max():.1f} rad/s ({DOF_NAMES[np.abs(p['dof_vel']).max(0).argmax()]})")
+        speed = np.abs(p["dof_vel"]).max(axis=0)
+        lines.append(f"  max |dof vel| {speed.max():.1f} rad/s ({DOF_NAMES[speed.argmax()]})")
     lines += [f"  text: {p['text']!r}", f"  source: {p['source']}", f"  license: {p['license']}"]
     return "\n".join(lines)
 

@@ -1,0 +1,451 @@
+"""Stage I of HoRD: the PPO teacher (expert) with privileged observations, dense future reference, episode-level DR
+and HCDR, in one file (CleanRL style).
+
+    python teacher.py --num-envs 4096                  # the paper's configuration (GPU)
+    python teacher.py --preset cpu                     # small model, few envs: runs on a 2-core CPU in minutes
+    python teacher.py --preset cpu --resume runs/<run>/teacher.pt
+
+The policy reads one token per stacked proprio step (5), one per future reference step (8), a terrain token g_t and
+the HCDR token m_t; a transformer encoder mixes them and the output of token 0 goes through an MLP head to 29 action
+means. The action is a residual around the next reference joint positions: alpha = q_ref(t+1) + action_scale * a.
+The critic is a separate MLP on the privileged critic observation (which includes psi).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+
+import envs
+from hcdr import HCDR
+
+SPARSE_STATE_DIM = 64  # the s of each (s, alpha) pair in H_t (see envs.py observation table)
+
+
+@dataclass
+class Args:
+    preset: str = "paper"
+    """'paper' (defaults below: the paper's sizes, GPU) or 'cpu' (small, runs here in minutes)"""
+    exp_name: str = "teacher"
+    """name of this experiment (run folder prefix)"""
+    seed: int = 0
+    """seed of torch, numpy, random and the env"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """torch / simulation device"""
+    torch_threads: int = 0
+    """intra-op CPU threads of torch (0: torch's default)"""
+    sim: str = "isaaclab"
+    """simulator: isaaclab (the paper's training engine) or genesis"""
+    motions: str = "data/packets/g1_moves"
+    """SSJR packet folder or file (the held-out test clips are excluded)"""
+    terrain: str = "mix"
+    """flat | smooth_slope | rough_slope | mix (paper: 0.5 flat, 0.25 each slope)"""
+    no_dr: bool = False
+    """the 'w/o DR' ablation: nominal dynamics every episode"""
+    no_hcdr: bool = False
+    """the 'w/o HCDR' ablation: no history token"""
+    num_envs: int = 4096
+    """parallel environments"""
+    total_env_steps: int = 1_000_000_000
+    """control steps to train for (all envs together)"""
+    num_steps: int = 32
+    """rollout length per env per iteration"""
+    minibatch_size: int = 16384
+    """samples per gradient step (paper 'batch 16384')"""
+    update_epochs: int = 1
+    """passes over each rollout (paper 'mini-epochs 1')"""
+    actor_lr: float = 2e-5
+    """actor learning rate"""
+    critic_lr: float = 1e-4
+    """critic learning rate"""
+    gamma: float = 0.99
+    """discount"""
+    gae_lambda: float = 0.95
+    """GAE lambda"""
+    clip_coef: float = 0.2
+    """PPO clip range"""
+    vf_coef: float = 1.0
+    """value loss weight"""
+    max_grad_norm: float = 50.0
+    """gradient clipping"""
+    log_std: float = -2.9
+    """fixed log standard deviation of the Gaussian policy"""
+    action_scale: float = 1.0
+    """alpha = q_ref(t+1) + action_scale * a (rad)"""
+    d_model: int = 512
+    """transformer width"""
+    num_layers: int = 6
+    """transformer encoder layers"""
+    num_heads: int = 8
+    """attention heads"""
+    ff_dim: int = 1536
+    """transformer feed-forward width (paper text: 3x d_model)"""
+    head_dim: int = 1024
+    """actor head MLP width (3 layers)"""
+    terrain_dim: int = 256
+    """terrain encoder MLP width (2 layers)"""
+    critic_dim: int = 1024
+    """critic MLP width (4 layers)"""
+    hcdr_queries: int = 4
+    """HCDR learnable query tokens N"""
+    hcdr_dim: int = 128
+    """HCDR token size d_m"""
+    hcdr_layers: int = 2
+    """HCDR Q-Former layers"""
+    checkpoint_every: int = 50
+    """iterations between checkpoints"""
+    resume: str = ""
+    """checkpoint to continue from"""
+    run_dir: str = ""
+    """where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})"""
+
+
+PRESETS = {
+    "paper": Args(),
+    "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=64, total_env_steps=2_000_000,
+                num_steps=24, minibatch_size=512, update_epochs=4, actor_lr=1e-4, critic_lr=3e-4, log_std=-2.0,
+                d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256, terrain_dim=64, critic_dim=256,
+                hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=1),
+}
+# The env keys the teacher reads; their shapes are checked against the checkpoint's observation layout.
+TEACHER_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask", "critic")
+
+
+class RunningNorm(nn.Module):
+    """Running mean/std of an observation (saved with the model; frozen at evaluation)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(shape))
+        self.register_buffer("var", torch.ones(shape))
+        self.register_buffer("count", torch.tensor(1e-4))
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor):
+        x = x.reshape(-1, *self.mean.shape)
+        x = x[torch.isfinite(x).flatten(1).all(-1)]
+        if len(x) == 0:
+            return
+        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), len(x)
+        delta, total = batch_mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.var = (self.var * self.count + batch_var * n + delta.pow(2) * self.count * n / total) / total
+        self.count = total
+
+    def forward(self, x):
+        return ((x - self.mean) / (self.var.sqrt() + 1e-5)).clamp(-10, 10)
+
+
+def mlp(sizes, act=nn.ELU, last_act=False):
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2 or last_act:
+            layers.append(act())
+    return nn.Sequential(*layers)
+
+
+class TokenPolicy(nn.Module):
+    """Transformer over observation tokens + the HCDR token; token 0's output -> MLP head -> 29 action means.
+    `token_obs` names the [N, T_i, D_i] observation streams that become tokens (one Linear each)."""
+
+    def __init__(self, layout: dict, token_obs: tuple[str, ...], args, hcdr: bool):
+        super().__init__()
+        d = args.d_model
+        self.token_obs = token_obs
+        self.norms = nn.ModuleDict({k: RunningNorm(layout[k][-1]) for k in (*token_obs, "terrain")})
+        self.embed = nn.ModuleDict({k: nn.Linear(layout[k][-1], d) for k in token_obs})
+        self.terrain = nn.Sequential(nn.LayerNorm(layout["terrain"][0]),
+                                     mlp([layout["terrain"][0], args.terrain_dim, args.terrain_dim], nn.ReLU, True),
+                                     nn.Linear(args.terrain_dim, d))
+        hist_dim = layout["history"][-1]
+        self.hcdr = HCDR(hist_dim - 29, 29, layout["history"][0], args.hcdr_queries, args.hcdr_dim,
+                         args.hcdr_layers, max(1, args.hcdr_dim // 32), out_dim=d) if hcdr else None
+        self.history_norm = RunningNorm(hist_dim)
+        n_tokens = sum(layout[k][0] for k in token_obs) + 1 + int(hcdr)
+        self.pos = nn.Parameter(0.02 * torch.randn(n_tokens, d))
+        layer = nn.TransformerEncoderLayer(d, args.num_heads, args.ff_dim, dropout=0.0, activation="relu",
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, args.num_layers, enable_nested_tensor=False)
+        self.head = mlp([d, args.head_dim, args.head_dim, args.head_dim, 29], nn.ReLU)
+        nn.init.zeros_(self.head[-1].weight)  # start at a = 0: alpha = the reference (teacher) / bias (student)
+        nn.init.zeros_(self.head[-1].bias)
+
+    def update_norms(self, obs):
+        for k, norm in self.norms.items():
+            norm.update(obs[k])
+        self.history_norm.update(obs["history"][obs["history_mask"]])
+
+    def forward(self, obs) -> torch.Tensor:
+        tokens = [self.embed[k](self.norms[k](obs[k])) for k in self.token_obs]
+        tokens.append(self.terrain(self.norms["terrain"](obs["terrain"]))[:, None])
+        if self.hcdr is not None:
+            m_t = self.hcdr(self.history_norm(obs["history"]), obs["history_mask"])
+            tokens.append(m_t[:, None])
+        x = torch.cat(tokens, 1) + self.pos
+        return self.head(self.encoder(x)[:, 0])
+
+
+class Agent(nn.Module):
+    """Teacher actor pi*(alpha | m_t, s_full, g_t, Y_full) and privileged critic V(s_critic)."""
+
+    def __init__(self, layout: dict, args):
+        super().__init__()
+        self.actor = TokenPolicy(layout, ("proprio", "future"), args, hcdr=not args.no_hcdr)
+        self.critic_norm = RunningNorm(layout["critic"][0])
+        self.critic = mlp([layout["critic"][0]] + [args.critic_dim] * 4 + [1])
+        self.log_std = args.log_std
+        self.action_scale = args.action_scale
+
+    def value(self, obs):
+        return self.critic(self.critic_norm(obs["critic"])).squeeze(-1)
+
+    def dist(self, obs):
+        mean = self.actor(obs)
+        return torch.distributions.Normal(mean, torch.full_like(mean, self.log_std).exp())
+
+    def to_alpha(self, obs, a):
+        """PD targets from the residual action."""
+        return obs["ref_dof_pos"] + self.action_scale * a
+
+    @torch.no_grad()
+    def act(self, obs):
+        """Deterministic PD targets (evaluation, DAgger labels)."""
+        return self.to_alpha(obs, self.actor(obs))
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------------
+def save_checkpoint(path: pathlib.Path, payload: dict):
+    """Atomic: write a temp file, then rename over the target."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, kind: str) -> dict:
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: checkpoint not found")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("kind") != kind:
+        found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(f"{path}: expected a {kind} checkpoint, found {found!r}")
+    return ckpt
+
+
+def check_layout(path, expected: dict, found: dict, keys):
+    """A checkpoint is only valid for the observation layout it was trained on."""
+    for k in keys:
+        if list(expected.get(k, [])) != list(found.get(k, [])):
+            raise ValueError(f"{path}: observation layout mismatch for '{k}': checkpoint has {expected.get(k)}, "
+                             f"this env gives {found.get(k)} (different env version or settings)")
+
+
+def env_kwargs(args) -> dict:
+    """The make_env settings a checkpoint fixes."""
+    return dict(sim=args.sim, motions=args.motions, terrain=args.terrain, dr=None if args.no_dr else "default")
+
+
+def build_env(cfg: dict, num_envs: int, device: str, seed: int, **overrides):
+    cfg = {**cfg, **overrides}
+    dr = envs.DR() if cfg.pop("dr") == "default" else None
+    return envs.make_env(num_envs=num_envs, device=device, dr=dr, seed=seed, **cfg)
+
+
+def load_policy(path, device="cpu"):
+    """(teacher Agent in eval mode, checkpoint dict) for evaluation and distillation."""
+    ckpt = load_checkpoint(path, "teacher")
+    args = Args(**ckpt["args"])
+    agent = Agent(ckpt["obs_layout"], args).to(device)
+    agent.load_state_dict(ckpt["model"])
+    return agent.eval(), ckpt
+
+
+def parse_args() -> Args:
+    """`--preset NAME` picks the defaults; every other flag overrides them."""
+    argv = sys.argv[1:]
+    preset = argv[argv.index("--preset") + 1] if "--preset" in argv[:-1] else "paper"
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown preset '{preset}': choose one of {list(PRESETS)}")
+    return tyro.cli(Args, default=PRESETS[preset])
+
+
+def main(args: Args):
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    resume = load_checkpoint(args.resume, "teacher") if args.resume else None
+    if resume is not None:  # the checkpoint fixes the env and the model; only the budget may change
+        args = dataclasses.replace(Args(**resume["args"]), total_env_steps=args.total_env_steps, resume=args.resume,
+                                   run_dir=resume["args"]["run_dir"])
+    run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{args.sim}_{args.seed}_{int(time.time())}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args.run_dir = str(run_dir)
+    print("teacher configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
+
+    env = build_env(env_kwargs(args), args.num_envs, args.device, args.seed)
+    obs = env.reset()
+    layout = env.obs_layout
+    agent = Agent(layout, args).to(device)
+    actor_opt = torch.optim.Adam(agent.actor.parameters(), lr=args.actor_lr, eps=1e-5)
+    critic_opt = torch.optim.Adam(list(agent.critic.parameters()), lr=args.critic_lr, eps=1e-5)
+    global_step, iteration = 0, 0
+    if resume is not None:
+        check_layout(args.resume, resume["obs_layout"], layout, TEACHER_OBS)
+        agent.load_state_dict(resume["model"])
+        actor_opt.load_state_dict(resume["actor_opt"])
+        critic_opt.load_state_dict(resume["critic_opt"])
+        global_step, iteration = resume["global_step"], resume["iteration"]
+        torch.set_rng_state(resume["rng"]["torch"])
+        np.random.set_state(resume["rng"]["numpy"])
+        random.setstate(resume["rng"]["python"])
+        print(f"resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
+
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(run_dir)
+    ckpt_path = run_dir / "teacher.pt"
+
+    def checkpoint():
+        save_checkpoint(ckpt_path, {
+            "kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_kwargs(args), "obs_layout": layout,
+            "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
+            "global_step": global_step, "iteration": iteration,
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}})
+
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish the iteration, save, exit
+
+    # ALGO LOGIC: storage (preallocated rollout buffers)
+    n, T = args.num_envs, args.num_steps
+    buf_obs = {k: torch.zeros((T, n, *layout[k]), dtype=obs[k].dtype, device=device) for k in TEACHER_OBS}
+    actions = torch.zeros(T, n, 29, device=device)
+    logprobs, rewards, dones, values = (torch.zeros(T, n, device=device) for _ in range(4))
+    ep_return, ep_len = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    num_iterations = args.total_env_steps // (n * T)
+    start_time, start_step = time.time(), global_step
+    sim_time = 0.0
+
+    while iteration < num_iterations and not stop["now"]:
+        iteration += 1
+        stats = {"return": [], "length": [], "success": [], "gt_err_m": [], "mpjpe_m": [], "terms": {}}
+        agent.eval()
+        for step in range(T):
+            global_step += n
+            for k in TEACHER_OBS:
+                buf_obs[k][step] = obs[k]
+            with torch.no_grad():
+                agent.actor.update_norms(obs)
+                agent.critic_norm.update(obs["critic"])
+                dist = agent.dist(obs)
+                a = dist.sample()
+                logprobs[step] = dist.log_prob(a).sum(-1)
+                values[step] = agent.value(obs)
+            actions[step] = a
+            t0 = time.time()
+            obs, reward, done, info = env.step(agent.to_alpha(obs, a))
+            sim_time += time.time() - t0
+            rewards[step], dones[step] = reward, done.float()
+            ep_return += reward
+            ep_len += 1
+            stats["gt_err_m"].append(info["metrics"]["gt_err_m"].mean().item())
+            stats["mpjpe_m"].append(info["metrics"]["mpjpe_m"].mean().item())
+            for k, v in info["reward_terms"].items():
+                stats["terms"].setdefault(k, []).append(v.mean().item())
+            if done.any():
+                stats["return"] += ep_return[done].tolist()
+                stats["length"] += ep_len[done].tolist()
+                stats["success"] += info["time_out"][done].float().tolist()
+                ep_return[done], ep_len[done] = 0.0, 0.0
+
+        # ALGO LOGIC: GAE (time-outs at the clip end are treated as terminal: the clip is over)
+        with torch.no_grad():
+            next_value = agent.value(obs)
+            advantages = torch.zeros_like(rewards)
+            last_gae = torch.zeros(n, device=device)
+            for t in reversed(range(T)):
+                next_v = next_value if t == T - 1 else values[t + 1]
+                not_done = 1.0 - dones[t]
+                delta = rewards[t] + args.gamma * next_v * not_done - values[t]
+                last_gae = delta + args.gamma * args.gae_lambda * not_done * last_gae
+                advantages[t] = last_gae
+            returns = advantages + values
+
+        # ALGO LOGIC: PPO update (clipped surrogate + value loss)
+        agent.train()
+        flat = lambda x: x.reshape(n * T, *x.shape[2:])
+        b_obs = {k: flat(v) for k, v in buf_obs.items()}
+        b_actions, b_logprobs, b_adv, b_returns, b_values = map(flat, (actions, logprobs, advantages, returns,
+                                                                      values))
+        clipfracs, approx_kls = [], []
+        for _ in range(args.update_epochs):
+            perm = torch.randperm(n * T, device=device)
+            for start in range(0, n * T, args.minibatch_size):
+                mb = perm[start:start + args.minibatch_size]
+                mb_obs = {k: v[mb] for k, v in b_obs.items()}
+                dist = agent.dist(mb_obs)
+                new_logprob = dist.log_prob(b_actions[mb]).sum(-1)
+                log_ratio = new_logprob - b_logprobs[mb]
+                ratio = log_ratio.exp()
+                with torch.no_grad():
+                    approx_kls.append(((ratio - 1) - log_ratio).mean().item())
+                    clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean().item())
+                mb_adv = b_adv[mb]
+                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                pg_loss = torch.max(-mb_adv * ratio,
+                                    -mb_adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
+                v_loss = 0.5 * (agent.value(mb_obs) - b_returns[mb]).pow(2).mean()
+                loss = pg_loss + args.vf_coef * v_loss
+                actor_opt.zero_grad()
+                critic_opt.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.actor.parameters(), args.max_grad_norm)
+                nn.utils.clip_grad_norm_(agent.critic.parameters(), args.max_grad_norm)
+                actor_opt.step()
+                critic_opt.step()
+
+        # logging: TensorBoard + one line per iteration
+        elapsed = time.time() - start_time
+        sps = (global_step - start_step) / elapsed
+        mean = lambda x: float(np.mean(x)) if len(x) else float("nan")
+        scalars = {"charts/mean_reward": rewards.mean().item(), "charts/episode_return": mean(stats["return"]),
+                   "charts/episode_length": mean(stats["length"]), "charts/success_rate": mean(stats["success"]),
+                   "charts/gt_err_mm": 1000 * mean(stats["gt_err_m"]), "charts/mpjpe_mm": 1000 * mean(stats["mpjpe_m"]),
+                   "charts/SPS": sps, "charts/sim_time_fraction": sim_time / elapsed, "charts/nan_resets": env.nan_resets,
+                   "losses/policy_loss": pg_loss.item(), "losses/value_loss": v_loss.item(),
+                   "losses/approx_kl": mean(approx_kls), "losses/clipfrac": mean(clipfracs),
+                   "losses/explained_variance": (1 - (b_returns - b_values).var() / b_returns.var()).item()}
+        scalars.update({f"rewards/{k}": mean(v) for k, v in stats["terms"].items()})
+        scalars.update({f"dr/{k}": v.float().mean().item() for k, v in env.psi.items()})
+        for k, v in scalars.items():
+            writer.add_scalar(k, v, global_step)
+        eta_min = (num_iterations - iteration) * n * T / max(sps, 1e-6) / 60
+        print(f"it {iteration}/{num_iterations} step {global_step:,} | {sps:,.0f} env-steps/s | reward "
+              f"{scalars['charts/mean_reward']:.3f} | success {scalars['charts/success_rate']:.2f} | g-mpjpe "
+              f"{scalars['charts/gt_err_mm']:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets "
+              f"{env.nan_resets} | ETA {eta_min:.1f} min", flush=True)
+        if iteration % args.checkpoint_every == 0:
+            checkpoint()
+    checkpoint()
+    writer.close()
+    print(f"saved {ckpt_path}")
+    return ckpt_path
+
+
+if __name__ == "__main__":
+    main(parse_args())
