@@ -207,6 +207,8 @@ class MotionLib:
         if not packet_paths:
             raise ValueError("MotionLib: no motion packets given (run `python ssjr.py convert ...` first)")
         packets = [ssjr.load_packet(p) for p in packet_paths]
+        packets = [p if p["kind"] == "robot" else keypoints_to_packet(p) for p in packets]
+        self.keypoints_only = torch.tensor([p["kind"] == "human_keypoints" for p in packets], device=device)
         self.names = [pathlib.Path(p).stem for p in packet_paths]
         self.fps = torch.tensor([float(p["fps"]) for p in packets], device=device)
         self.num_frames = torch.tensor([len(p["dof_pos"]) for p in packets], device=device)
@@ -231,6 +233,33 @@ class MotionLib:
         return {"body_pos": lerp(self.body_pos), "body_lin_vel": lerp(self.body_lin_vel),
                 "body_ang_vel": lerp(self.body_ang_vel), "dof_pos": lerp(self.dof_pos), "dof_vel": lerp(self.dof_vel),
                 "body_quat": ssjr.quat_slerp(self.body_quat[i0], self.body_quat[i1], w[:, None])}
+
+
+# A neutral standing pose (rad), used where a motion gives no joint angles (human keypoint commands).
+DEFAULT_STANCE_RAD = {"hip_pitch": -0.31, "knee": 0.67, "ankle_pitch": -0.36, "shoulder_pitch": 0.2, "elbow": 0.6,
+                      "left_shoulder_roll": 0.2, "right_shoulder_roll": -0.2}
+
+
+def default_stance() -> np.ndarray:
+    return np.array([next((v for k, v in DEFAULT_STANCE_RAD.items() if name.endswith(k + "_joint")), 0.0)
+                     for name in ssjr.DOF_NAMES], np.float32)
+
+
+def keypoints_to_packet(cmd: dict) -> dict:
+    """A human keypoint command (ssjr.py, from BVH/AMASS) as a reference the env can run: the robot's bodies are the
+    default stance placed at the command's root pose, with the SSJR keypoint bodies replaced by the command's points.
+    Only the keypoints are meaningful: use info['metrics']['keypoint_err_m'] to score such motions."""
+    kin = ssjr.G1Kinematics()
+    t = len(cmd["keypoints_w"])
+    dof = np.broadcast_to(default_stance(), (t, 29)).copy()
+    root_pos = cmd["keypoints_w"][:, ssjr.KEYPOINT_NAMES.index("pelvis")]
+    pos, quat = kin.forward(torch.as_tensor(root_pos), torch.as_tensor(cmd["root_quat_w"]), torch.as_tensor(dof))
+    pos = pos.numpy().copy()
+    pos[:, list(ssjr.KEYPOINT_BODY_IDS)] = cmd["keypoints_w"]
+    dt = 1.0 / float(cmd["fps"])
+    return {"kind": "human_keypoints", "fps": cmd["fps"], "body_pos_w": pos, "body_quat_w": quat.numpy(),
+            "body_lin_vel_w": np.gradient(pos, dt, axis=0).astype(np.float32),
+            "body_ang_vel_w": np.zeros_like(pos), "dof_pos": dof, "dof_vel": np.zeros_like(dof)}
 
 
 def resolve_motions(motions) -> list[pathlib.Path]:
@@ -411,6 +440,12 @@ class TrackingEnv:
         return ref
 
     # --- reset ----------------------------------------------------------------------------------------------------
+    def reseed(self, seed: int) -> dict[str, torch.Tensor]:
+        """Restart every env from scratch as if built with `seed` (evaluation reuses one scene across seeds)."""
+        self.gen.manual_seed(seed)
+        self.next_clip = torch.arange(self.num_envs, device=self.device) % len(self.motions)
+        return self.reset()
+
     def reset(self, env_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         ids = torch.arange(self.num_envs, device=self.device) if env_ids is None else env_ids
         if len(ids):
@@ -477,6 +512,7 @@ class TrackingEnv:
             lo, hi = self.dr.push_interval_s
             self.next_push_s[ids] += lo + (hi - lo) * torch.rand(len(ids), generator=self.gen, device=dev)
         power = torch.zeros(n, device=dev)
+        self.pushed = push
         for k in range(DECIMATION):
             # control delay of d physics steps: the new target reaches the motors d steps into the control period
             target = torch.where(k >= delay, alpha, self.alpha_prev)
@@ -508,7 +544,7 @@ class TrackingEnv:
         done = failed | time_out
         info = {"metrics": metrics, "reward_terms": {k: torch.exp(REWARD_COEFFS[k] * v) for k, v in terms.items()},
                 "power_w": power / DECIMATION, "time_out": time_out & ~failed, "failed": failed,
-                "nan": blown_up, "psi": {k: v.clone() for k, v in self.psi.items()}, "clip": self.clip.clone()}
+                "nan": blown_up, "pushed": self.pushed, "psi": {k: v.clone() for k, v in self.psi.items()}, "clip": self.clip.clone()}
         self.body_pos_w, self.body_quat_w = body[0], body[1]
         self.ref_body_pos_w, self.ref_body_quat_w = ref["body_pos"], ref["body_quat"]
         self.nan_resets += int(blown_up.sum())
@@ -587,7 +623,7 @@ def tracking_terms(body, ref, root_state):
              "gav": (ref["body_ang_vel"] - ang).pow(2).mean((-1, -2)),
              "rh": (ref["body_pos"][:, 0, 2] - pos[:, 0, 2]).pow(2),
              "rt": dp[:, 0].pow(2).mean(-1)}
-    metrics = {"gt_err_m": err_b.mean(-1), "max_body_err_m": err_b.max(-1).values,
+    metrics = {"gt_err_m": err_b.mean(-1), "keypoint_err_m": err_b[:, list(ssjr.KEYPOINT_BODY_IDS)].mean(-1), "max_body_err_m": err_b.max(-1).values,
                "mpjpe_m": rel.norm(dim=-1).mean(-1), "gr_err_rad": angle.mean(-1)}
     return terms, metrics
 
