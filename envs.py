@@ -26,13 +26,15 @@ Observation table (per env; P=535, F=569, G=121, S=64, J=len(ssjr.KEYPOINT_NAMES
 | history_mask      | [K]          | True where the history entry exists (False before the episode start)        |
 | student_proprio   | [8, S+29]    | student, steps t-7..t: sparse state s and last alpha (no privileged terms)  |
 | student_keypoints | [10, J*3]    | student, SSJR keypoints Y at t-7..t+2, relative to the robot root (heading) |
-| critic            | [C]          | privileged: proprio_t, future (flat), terrain, psi (9)                      |
+| critic            | [C]          | privileged: proprio_t, future at t+1, terrain, psi (10) = 1235              |
 """
 from __future__ import annotations
 
-import dataclasses
-import math
+import contextlib
+import hashlib
 import pathlib
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -60,6 +62,10 @@ GAINS = {  # joint-name fragment: (kp, kd, effort limit)
 ARMATURE = 0.03  # kg m^2, every joint (authors' earlier code)
 JOINT_FRICTION = 0.03  # N m, dry friction (frictionloss)
 JOINT_DAMPING = 0.05  # N m s/rad, passive joint damping (on top of the PD's kd)
+FEET = ("left_ankle_roll_link", "right_ankle_roll_link")  # the links whose friction is the ground-foot friction
+# Self-collision off in both engines: 1.7x faster Genesis CPU stepping (64 envs, measured), and retargeted dance
+# clips often pass a hand through the torso, which a colliding robot cannot track anyway.
+SELF_COLLISION = False
 
 
 def joint_table(device="cpu"):
@@ -291,7 +297,7 @@ class GenesisSim:
         self.scene = gs.Scene(
             sim_options=gs.options.SimOptions(dt=dt_s, substeps=1),
             rigid_options=gs.options.RigidOptions(batch_links_info=True, batch_dofs_info=True,
-                                                  batch_joints_info=True),
+                                                  batch_joints_info=True, enable_self_collision=SELF_COLLISION),
             show_viewer=False)
         ground_material = gs.materials.Rigid(friction=0.01)  # contact friction = max of the pair: the feet decide
         if terrain.is_flat:
@@ -307,6 +313,7 @@ class GenesisSim:
         self.dofs = [self.robot.get_joint(j).dofs_idx_local[0] for j in ssjr.DOF_NAMES]
         self.dof_names, self.body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
         self.torso = ssjr.BODY_NAMES.index("torso_link")
+        self.feet = [self.links[ssjr.BODY_NAMES.index(f)] for f in FEET]
         self.default_body_mass_kg = self._t(self.robot.get_links_mass(self.links))
         self.default_torso_com = self._t(self.robot.get_links_COM([self.links[self.torso]]))[:, 0]
         self.robot.set_dofs_kp(torch.zeros(num_envs, 29), self.dofs)
@@ -352,7 +359,8 @@ class GenesisSim:
         self.robot.set_links_COM(com[:, None], [self.links[self.torso]], envs_idx=env_ids)
 
     def set_friction(self, env_ids, mu):
-        self.robot.set_friction_ratio(mu[:, None].expand(-1, len(self.links)), self.links, envs_idx=env_ids)
+        """Ground-foot friction: the feet's friction ratio (their geoms have friction 1, the ground 0.01)."""
+        self.robot.set_friction_ratio(mu[:, None].expand(-1, len(self.feet)), self.feet, envs_idx=env_ids)
 
     def set_joint_params(self, env_ids, armature, damping, frictionloss):
         self.robot.set_dofs_armature(armature, self.dofs, envs_idx=env_ids)
@@ -362,7 +370,300 @@ class GenesisSim:
     def nan_envs(self):
         return self._t(self.scene.rigid_solver.get_error_envs_mask()).bool()
 
+    def close(self):
+        """Nothing to release: several Genesis scenes may live in one process."""
 
+
+
+
+_XYZW_FROM_WXYZ = [1, 2, 3, 0]
+_WXYZ_FROM_XYZW = [3, 0, 1, 2]
+_TORSO = "torso_link"
+
+
+def _g1_usd_path() -> pathlib.Path:
+    """Convert the G1 MJCF to USD once (Isaac Lab MjcfConverter, MuJoCo physics variant) and cache it.
+
+    Must run before any other USD stage exists in the process (else the converter misses the PhysxJointAPI
+    schema). The conversion goes to a temporary folder that is renamed into place: a half-written USD is never
+    visible to another process.
+    """
+    xml = ssjr.g1_mjcf_path()
+    settings = dict(fix_base=False, physics_variant="mujoco", self_collision=SELF_COLLISION)
+    digest = hashlib.sha1(xml.read_bytes() + repr(sorted(settings.items())).encode()).hexdigest()[:10]
+    out = ssjr.ASSETS / f"g1_usd_{digest}"
+    usd = out / "g1" / "g1.usda"
+    if usd.exists():
+        return usd
+    from isaaclab.sim.converters import MjcfConverter, MjcfConverterCfg
+
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=".g1_usd_", dir=ssjr.ASSETS))
+    staging.chmod(0o755)
+    converter = MjcfConverter(MjcfConverterCfg(asset_path=str(xml), usd_dir=str(staging), force_usd_conversion=True,
+                                               **settings))
+    if pathlib.Path(converter.usd_path) != staging / "g1" / "g1.usda":
+        raise RuntimeError(f"unexpected converter output {converter.usd_path}")
+    try:
+        staging.rename(out)
+    except OSError:  # another process won the race: keep its copy
+        shutil.rmtree(staging, ignore_errors=True)
+    return usd
+
+
+def _write_ground_usd(path: pathlib.Path, terrain) -> None:
+    """Author the local ground: an infinite collision plane, plus a heightfield-tagged mesh for non-flat terrain."""
+    from pxr import Sdf, Usd, UsdGeom, UsdPhysics
+
+    stage = Usd.Stage.CreateNew(str(path))
+    UsdGeom.SetStageUpAxis(stage, UsdGeom.Tokens.z)
+    UsdGeom.SetStageMetersPerUnit(stage, 1.0)
+    root = UsdGeom.Xform.Define(stage, "/Ground")
+    stage.SetDefaultPrim(root.GetPrim())
+    heights = None if terrain is None else np.asarray(terrain.heights_m, dtype=np.float32)
+    plane = UsdGeom.Plane.Define(stage, "/Ground/Plane")
+    plane.CreateAxisAttr(UsdGeom.Tokens.z)
+    UsdPhysics.CollisionAPI.Apply(plane.GetPrim())
+    if heights is not None and np.any(heights != 0.0):
+        plane.AddTranslateOp().Set((0.0, 0.0, float(heights.min())))
+        nx, ny = heights.shape
+        x0, y0 = (float(v) for v in terrain.origin_m)
+        xs = x0 + terrain.cell_m * np.arange(nx)
+        ys = y0 + terrain.cell_m * np.arange(ny)
+        gx, gy = np.meshgrid(xs, ys, indexing="ij")
+        points = np.stack([gx, gy, heights], -1).reshape(-1, 3)
+        i, j = np.meshgrid(np.arange(nx - 1), np.arange(ny - 1), indexing="ij")
+        a = (i * ny + j).ravel()
+        # two counter-clockwise (seen from +z) triangles per cell: the heightfield rasterizer reads triangles only
+        tris = np.concatenate([np.stack([a, a + ny, a + ny + 1], -1), np.stack([a, a + ny + 1, a + 1], -1)])
+        mesh = UsdGeom.Mesh.Define(stage, "/Ground/Terrain")
+        mesh.CreatePointsAttr(points.astype(np.float32).tolist())
+        mesh.CreateFaceVertexCountsAttr([3] * len(tris))
+        mesh.CreateFaceVertexIndicesAttr(tris.ravel().tolist())
+        UsdPhysics.CollisionAPI.Apply(mesh.GetPrim())
+        # Isaac Lab's Newton manager rasterizes a mesh tagged like this into a Newton heightfield (MuJoCo hfield).
+        mesh.GetPrim().CreateAttribute("newton:heightfield:resolution", Sdf.ValueTypeNames.Float).Set(
+            float(terrain.cell_m))
+    stage.GetRootLayer().Save()
+
+
+class IsaacLabSim:
+    """Isaac Lab 3.0 (kit-less Newton/MuJoCo-Warp physics, CPU here): the G1 MJCF converted once with Isaac Lab's
+    MjcfConverter into a USD cached in assets/, N clones in one InteractiveScene (env spacing 0: every env sits at
+    the world origin like Genesis' batched envs; Newton worlds never collide with each other) over a local ground.
+    Every joint gets an implicit actuator with zero stiffness/damping (effort mode): step(tau) is a pure torque step.
+    One instance per process at a time (Isaac Lab's SimulationContext is a singleton); close() frees it.
+
+    Deviations from Isaac Lab / Genesis conventions handled here:
+    - Isaac Lab 3 quaternions are xyzw; the adapter speaks wxyz (contract).
+    - Joint/body order: remapped by name (Newton's articulation view happens to use MuJoCo order already, but the
+      permutation is built from the articulation's names and checked at start-up).
+    - Velocities are those of the link frames (origins), matching `d/dt body_pos`, not of the centres of mass.
+    - Friction: MuJoCo(-Warp) uses the max of the two geoms' friction; the ground's friction is set to 0 so the
+      foot shapes' friction IS the ground-foot friction (`set_friction`). Other links keep the asset's friction.
+    - Joint damping/frictionloss are MuJoCo's passive `dof_damping`/`dof_frictionloss` (Isaac Lab "viscous
+      friction" / "friction coefficient"); the actuators' PD gains stay 0.
+    - `set_body_mass` scales each body's rotational inertia with its mass ratio (same radius of gyration).
+    - Gravity is per env natively (Newton `Model.gravity` has one row per world, copied into MJWarp's per-world
+      `opt.gravity`): no compensating external forces are needed.
+    - Non-flat terrain: a Newton heightfield (MuJoCo `hfield`, which MJWarp collides with capsules/spheres), plus a
+      plane at the lowest terrain height so nothing falls forever outside the terrain patch.
+    - Self-collision follows SELF_COLLISION (off, as in Genesis).
+    - The XML has no armature: joints start with armature/damping/frictionloss 0 until `set_joint_params` (explicit
+      PD at dt 0.005 s on the light wrist links diverges without some armature). After construction every env is at
+      q = 0 with the pelvis at the MJCF's 0.793 m (feet in the ground): call `write_state` before stepping.
+    - `physx=True` only routes the physics config to PhysX (needs Isaac Sim, absent here); the DR setters use the
+      Newton model and are untested there.
+    """
+
+    dof_names = ssjr.DOF_NAMES
+    body_names = ssjr.BODY_NAMES
+
+    def __init__(self, num_envs: int, device: str, terrain, dt_s: float = 0.005, physx: bool = False):
+        from isaaclab.app import launch_simulation
+        import isaaclab.sim as sim_utils
+
+        if sim_utils.SimulationContext.instance() is not None:
+            raise RuntimeError("an Isaac Lab SimulationContext already exists in this process: close() it first")
+        t0 = time.perf_counter()
+        self.num_envs, self.device, self.dt_s = num_envs, torch.device(device), dt_s
+        if physx:  # needs Isaac Sim (Kit); not installable on this CPU machine
+            from isaaclab_physx.physics import PhysxCfg
+            physics = PhysxCfg()
+        else:
+            from isaaclab_newton.physics import MJWarpSolverCfg, NewtonCfg
+            physics = NewtonCfg(solver_cfg=MJWarpSolverCfg(njmax=300, nconmax=60, ls_iterations=50,
+                                                           cone="pyramidal", integrator="implicitfast"))
+        sim_cfg = sim_utils.SimulationCfg(dt=dt_s, device=str(device), physics=physics)
+        self._launch = contextlib.ExitStack()
+        self._launch.enter_context(launch_simulation(sim_cfg, {"headless": True, "device": str(device)}))
+        usd = _g1_usd_path()  # before any other stage
+        self._tmp = tempfile.TemporaryDirectory(prefix="hord_isaaclab_")
+        ground_usd = pathlib.Path(self._tmp.name) / "ground.usda"
+        _write_ground_usd(ground_usd, terrain)
+
+        from isaaclab.actuators import ImplicitActuatorCfg
+        from isaaclab.assets import ArticulationCfg, AssetBaseCfg
+        from isaaclab.scene import InteractiveScene, InteractiveSceneCfg
+
+        sim_utils.create_new_stage()
+        self.sim = sim_utils.SimulationContext(sim_cfg)
+        scene_cfg = InteractiveSceneCfg(num_envs=num_envs, env_spacing=0.0)
+        scene_cfg.ground = AssetBaseCfg(prim_path="/World/ground", spawn=sim_utils.UsdFileCfg(usd_path=str(ground_usd)))
+        scene_cfg.robot = ArticulationCfg(
+            prim_path="{ENV_REGEX_NS}/Robot", spawn=sim_utils.UsdFileCfg(usd_path=str(usd)),
+            # the USD keeps the MJCF pelvis offset (0.793 m): a spawn position of 0 puts the pelvis there
+            init_state=ArticulationCfg.InitialStateCfg(pos=(0.0, 0.0, 0.0)),
+            actuators={"g1": ImplicitActuatorCfg(joint_names_expr=[".*"], stiffness=0.0, damping=0.0)})
+        self.scene = InteractiveScene(scene_cfg)
+        self.sim.reset()
+        self.robot = self.scene["robot"]
+        self._build_maps()
+        self._model = self.sim.physics_manager.get_model()
+        self._bind_shapes()
+        mass_isaac = self.robot.data.body_mass.torch.clone()
+        self.default_body_mass_kg = mass_isaac[:, self._body_perm].to(self.device)
+        self._default_inertia = self.robot.data.body_inertia.torch.clone()
+        self._default_mass_isaac = mass_isaac
+        self._default_com = self.robot.data.body_com_pos_b.torch.clone()
+        self.build_s = time.perf_counter() - t0
+
+    # ----- set-up helpers -----
+    def _build_maps(self) -> None:
+        """MuJoCo-order index -> Isaac Lab index, by name (never from a hard-coded table)."""
+        joints, bodies = list(self.robot.joint_names), list(self.robot.body_names)
+        if sorted(joints) != sorted(self.dof_names) or sorted(bodies) != sorted(self.body_names):
+            raise RuntimeError(f"G1 USD names differ from ssjr: joints {joints}, bodies {bodies}")
+        self._dof_perm = torch.tensor([joints.index(n) for n in self.dof_names], device=self.device)
+        self._dof_inv = torch.argsort(self._dof_perm)
+        self._body_perm = torch.tensor([bodies.index(n) for n in self.body_names], device=self.device)
+        self._torso_isaac = bodies.index(_TORSO)
+
+    def _bind_shapes(self) -> None:
+        """Ground friction -> 0 (contact friction = max of the pair = the foot's); bind the foot shapes' mu."""
+        from newton import ModelFlags
+        import warp as wp
+
+        model = self._model
+        static = np.flatnonzero(model.shape_body.numpy() == -1)
+        for arr in (model.shape_material_mu, model.shape_material_mu_torsional, model.shape_material_mu_rolling):
+            values = arr.numpy()
+            values[static] = 0.0
+            arr.assign(values)
+        self.sim.physics_manager.add_model_change(ModelFlags.SHAPE_PROPERTIES)
+        view = self.robot.root_view
+        self._shape_mu = wp.to_torch(view.get_attribute("shape_material_mu", model)[:, 0])
+        backend_bodies = list(self.robot.backend_body_names)
+        self._foot_shapes = torch.tensor(
+            [s for foot in FEET for s in view.body_shapes[backend_bodies.index(foot)]], device=self.device)
+
+    def _ids(self, env_ids) -> torch.Tensor:
+        return torch.as_tensor(env_ids, device=self.device).to(torch.int32)
+
+    # ----- the contract -----
+    @property
+    def isaac_index_of_dof(self) -> torch.Tensor:
+        """Element i = Isaac Lab joint index of MuJoCo joint i (`q_mj = q_isaac[:, isaac_index_of_dof]`)."""
+        return self._dof_perm
+
+    @property
+    def isaac_index_of_body(self) -> torch.Tensor:
+        """Element i = Isaac Lab body index of MuJoCo body i."""
+        return self._body_perm
+
+    def step(self, tau_Nm: torch.Tensor) -> None:
+        """Apply joint torques [N,29] (MuJoCo order) for one physics step, then advance one step."""
+        self.robot.actuators.target_command.set_effort_index(
+            value=tau_Nm.to(self.device, torch.float32)[:, self._dof_inv].contiguous())
+        self.robot.write_data_to_sim()
+        self.sim.step(render=False)
+        self.robot.update(self.dt_s)
+
+    def dof_state(self):
+        data = self.robot.data
+        return data.joint_pos.torch[:, self._dof_perm], data.joint_vel.torch[:, self._dof_perm]
+
+    def root_state(self):
+        pose = self.robot.data.root_link_pose_w.torch
+        vel = self.robot.data.root_link_vel_w.torch
+        return pose[:, :3].clone(), pose[:, 3:7][:, _WXYZ_FROM_XYZW], vel[:, :3].clone(), vel[:, 3:].clone()
+
+    def body_state(self):
+        pose = self.robot.data.body_link_pose_w.torch[:, self._body_perm]
+        vel = self.robot.data.body_link_vel_w.torch[:, self._body_perm]
+        return pose[..., :3], pose[..., 3:7][..., _WXYZ_FROM_XYZW], vel[..., :3], vel[..., 3:]
+
+    def write_state(self, env_ids, root_pos, root_quat, root_lin_vel, root_ang_vel, q, qd) -> None:
+        ids = self._ids(env_ids)
+        f32 = dict(device=self.device, dtype=torch.float32)
+        pose = torch.cat([root_pos.to(**f32), root_quat.to(**f32)[:, _XYZW_FROM_WXYZ]], -1).contiguous()
+        vel = torch.cat([root_lin_vel.to(**f32), root_ang_vel.to(**f32)], -1).contiguous()
+        self.robot.write_root_link_pose_to_sim_index(root_pose=pose, env_ids=ids)
+        self.robot.write_root_link_velocity_to_sim_index(root_velocity=vel, env_ids=ids)
+        self.robot.write_joint_state_to_sim_index(position=q.to(**f32)[:, self._dof_inv].contiguous(),
+                                                  velocity=qd.to(**f32)[:, self._dof_inv].contiguous(), env_ids=ids)
+
+    def set_root_velocity(self, env_ids, lin_vel_w, ang_vel_w) -> None:
+        vel = torch.cat([lin_vel_w, ang_vel_w], -1).to(self.device, torch.float32).contiguous()
+        self.robot.write_root_link_velocity_to_sim_index(root_velocity=vel, env_ids=self._ids(env_ids))
+
+    def set_gravity(self, env_ids, g_w) -> None:
+        """Per-env gravity [n,3]: Newton keeps one gravity row per world (MJWarp `opt.gravity` is per world)."""
+        from newton import ModelFlags
+        import warp as wp
+
+        gravity = wp.to_torch(self._model.gravity)  # [num_worlds + 1 (global), 3], a view
+        gravity[torch.as_tensor(env_ids, device=gravity.device).long()] = g_w.to(gravity.device, torch.float32)
+        self.sim.physics_manager.add_model_change(ModelFlags.MODEL_PROPERTIES)
+
+    def set_body_mass(self, env_ids, mass_kg) -> None:
+        """Masses [n,30] (MuJoCo body order); inertias scale with the same per-body ratio."""
+        ids = self._ids(env_ids)
+        m = torch.empty_like(mass_kg, dtype=torch.float32, device=self.device)
+        m[:, self._body_perm] = mass_kg.to(self.device, torch.float32)
+        ratio = m / self._default_mass_isaac[ids.long()]
+        self.robot.set_masses_index(masses=m.contiguous(), env_ids=ids)
+        self.robot.set_inertias_index(
+            inertias=(self._default_inertia[ids.long()] * ratio[..., None]).contiguous(), env_ids=ids)
+
+    def set_com_offset(self, env_ids, offset_m) -> None:
+        """Torso centre-of-mass offset [n,3] (body frame) from the asset's COM."""
+        ids = self._ids(env_ids)
+        com = self._default_com[ids.long(), self._torso_isaac] + offset_m.to(self.device, torch.float32)
+        self.robot.set_coms_index(coms=com[:, None].contiguous(), body_ids=[self._torso_isaac], env_ids=ids)
+
+    def set_friction(self, env_ids, mu) -> None:
+        """Ground-foot friction coefficient [n] (written on every foot collision shape)."""
+        from newton import ModelFlags
+
+        rows = torch.as_tensor(env_ids, device=self.device).long()
+        self._shape_mu[rows[:, None], self._foot_shapes] = mu.to(self.device, torch.float32)[:, None]
+        self.sim.physics_manager.add_model_change(ModelFlags.SHAPE_PROPERTIES)
+
+    def set_joint_params(self, env_ids, armature, damping, frictionloss) -> None:
+        """Per-env joint armature [kg m^2], passive damping [N m s/rad], dry friction [N m]; [n,29] MuJoCo order."""
+        ids = self._ids(env_ids)
+        f32 = dict(device=self.device, dtype=torch.float32)
+        self.robot.write_joint_armature_to_sim_index(armature=armature.to(**f32)[:, self._dof_inv].contiguous(),
+                                                     env_ids=ids)
+        self.robot.write_joint_viscous_friction_coefficient_to_sim_index(
+            joint_viscous_friction_coeff=damping.to(**f32)[:, self._dof_inv].contiguous(), env_ids=ids)
+        self.robot.write_joint_friction_coefficient_to_sim_index(
+            joint_friction_coeff=frictionloss.to(**f32)[:, self._dof_inv].contiguous(), env_ids=ids)
+
+    def nan_envs(self) -> torch.Tensor:
+        data = self.robot.data
+        bad = ~torch.isfinite(data.joint_pos.torch).all(-1) | ~torch.isfinite(data.joint_vel.torch).all(-1)
+        bad |= ~torch.isfinite(data.root_link_pose_w.torch).all(-1) | ~torch.isfinite(data.root_com_vel_w.torch).all(-1)
+        return bad
+
+    def close(self) -> None:
+        """Release the simulation so another IsaacLabSim can be built in this process."""
+        import isaaclab.sim as sim_utils
+
+        self.sim.stop()
+        sim_utils.SimulationContext.clear_instance()
+        self._launch.close()
+        self._tmp.cleanup()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -415,6 +716,9 @@ class TrackingEnv:
         self.obs_layout: dict[str, list[int]] = {}
         # one reference window per step: t-7..t (student past), t+1..t+2 (student future) / t+1..t+8 (teacher)
         self.window_s = torch.arange(1 - self.STUDENT_PAST, self.FUTURE_STEPS + 1, device=dev) * CONTROL_DT_S
+
+    def close(self):
+        self.sim.close()
 
     # --- reference ------------------------------------------------------------------------------------------------
     def time_s(self) -> torch.Tensor:
@@ -605,7 +909,7 @@ class TrackingEnv:
         obs = {"proprio": self.proprio_buf.clone(), "future": future, "ref_dof_pos": ref_dof_pos,
                "terrain": terrain, "history": self.history.clone(), "history_mask": self.history_mask.clone(),
                "student_proprio": self.sparse_buf.clone(), "student_keypoints": keypoints,
-               "critic": torch.cat([proprio, future.flatten(1), terrain, psi], -1)}
+               "critic": torch.cat([proprio, future[:, 0], terrain, psi], -1)}
         if not self.obs_layout:
             self.obs_layout = {k: list(v.shape[1:]) for k, v in obs.items()}
         return obs
@@ -630,9 +934,10 @@ def tracking_terms(body, ref, root_state):
 
 def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
              dr: DR | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
-             exclude_test: bool = True) -> TrackingEnv:
+             exclude_test: bool = True, physx: bool = False) -> TrackingEnv:
     """Build the tracking env on `sim` ("isaaclab" | "genesis"). `motions`: packet folder/file/list; the held-out
-    test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation)."""
+    test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation). physx: Isaac Lab
+    with PhysX instead of Newton/MJWarp (needs Isaac Sim, i.e. a GPU machine with NVIDIA's packages)."""
     paths = resolve_motions(motions)
     if exclude_test and len(paths) > 1:
         paths, _ = ssjr.train_test_split(paths)
@@ -640,7 +945,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     if sim == "genesis":
         engine = GenesisSim(num_envs, device, ground)
     elif sim == "isaaclab":
-        engine = IsaacLabSim(num_envs, device, ground)
+        engine = IsaacLabSim(num_envs, device, ground, physx=physx)
     else:
         raise ValueError(f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
     return TrackingEnv(engine, MotionLib(paths, device), ground, dr, seed, start)

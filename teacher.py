@@ -13,6 +13,7 @@ The critic is a separate MLP on the privileged critic observation (which include
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import random
@@ -224,6 +225,33 @@ class Agent(nn.Module):
         return self.to_alpha(obs, self.actor(obs))
 
 
+def compute_gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.Tensor:
+    """Generalized advantage estimation over a [T, N] rollout; dones[t] = the episode ended after step t."""
+    advantages = torch.zeros_like(rewards)
+    last_gae = torch.zeros_like(next_value)
+    for t in reversed(range(len(rewards))):
+        next_v = next_value if t == len(rewards) - 1 else values[t + 1]
+        not_done = 1.0 - dones[t]
+        delta = rewards[t] + gamma * next_v * not_done - values[t]
+        last_gae = delta + gamma * lam * not_done * last_gae
+        advantages[t] = last_gae
+    return advantages
+
+
+def ppo_losses(agent, obs, actions, old_logprob, advantages, returns, clip_coef: float):
+    """Clipped surrogate and value loss on one minibatch; also approx-KL and the clip fraction (for logging)."""
+    dist = agent.dist(obs)
+    log_ratio = dist.log_prob(actions).sum(-1) - old_logprob
+    ratio = log_ratio.exp()
+    adv = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
+    v_loss = 0.5 * (agent.value(obs) - returns).pow(2).mean()
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - log_ratio).mean().item()
+        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean().item()
+    return pg_loss, v_loss, approx_kl, clipfrac
+
+
 # --- checkpoints ----------------------------------------------------------------------------------------------------
 def save_checkpoint(path: pathlib.Path, payload: dict):
     """Atomic: write a temp file, then rename over the target."""
@@ -375,15 +403,7 @@ def main(args: Args):
 
         # ALGO LOGIC: GAE (time-outs at the clip end are treated as terminal: the clip is over)
         with torch.no_grad():
-            next_value = agent.value(obs)
-            advantages = torch.zeros_like(rewards)
-            last_gae = torch.zeros(n, device=device)
-            for t in reversed(range(T)):
-                next_v = next_value if t == T - 1 else values[t + 1]
-                not_done = 1.0 - dones[t]
-                delta = rewards[t] + args.gamma * next_v * not_done - values[t]
-                last_gae = delta + args.gamma * args.gae_lambda * not_done * last_gae
-                advantages[t] = last_gae
+            advantages = compute_gae(rewards, values, dones, agent.value(obs), args.gamma, args.gae_lambda)
             returns = advantages + values
 
         # ALGO LOGIC: PPO update (clipped surrogate + value loss)
@@ -398,18 +418,10 @@ def main(args: Args):
             for start in range(0, n * T, args.minibatch_size):
                 mb = perm[start:start + args.minibatch_size]
                 mb_obs = {k: v[mb] for k, v in b_obs.items()}
-                dist = agent.dist(mb_obs)
-                new_logprob = dist.log_prob(b_actions[mb]).sum(-1)
-                log_ratio = new_logprob - b_logprobs[mb]
-                ratio = log_ratio.exp()
-                with torch.no_grad():
-                    approx_kls.append(((ratio - 1) - log_ratio).mean().item())
-                    clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean().item())
-                mb_adv = b_adv[mb]
-                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-                pg_loss = torch.max(-mb_adv * ratio,
-                                    -mb_adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
-                v_loss = 0.5 * (agent.value(mb_obs) - b_returns[mb]).pow(2).mean()
+                pg_loss, v_loss, approx_kl, clipfrac = ppo_losses(agent, mb_obs, b_actions[mb], b_logprobs[mb],
+                                                                  b_adv[mb], b_returns[mb], args.clip_coef)
+                approx_kls.append(approx_kl)
+                clipfracs.append(clipfrac)
                 loss = pg_loss + args.vf_coef * v_loss
                 actor_opt.zero_grad()
                 critic_opt.zero_grad()
@@ -434,6 +446,8 @@ def main(args: Args):
         scalars.update({f"dr/{k}": v.float().mean().item() for k, v in env.psi.items()})
         for k, v in scalars.items():
             writer.add_scalar(k, v, global_step)
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
         eta_min = (num_iterations - iteration) * n * T / max(sps, 1e-6) / 60
         print(f"it {iteration}/{num_iterations} step {global_step:,} | {sps:,.0f} env-steps/s | reward "
               f"{scalars['charts/mean_reward']:.3f} | success {scalars['charts/success_rate']:.2f} | g-mpjpe "
@@ -443,8 +457,31 @@ def main(args: Args):
             checkpoint()
     checkpoint()
     writer.close()
-    print(f"saved {ckpt_path}")
+    plot_learning_curve(run_dir)
+    print(f"saved {ckpt_path} and {run_dir / 'learning_curve.png'}")
     return ckpt_path
+
+
+def read_log(run_dir) -> dict[str, list[float]]:
+    """The per-iteration scalars of a run (metrics.jsonl), as lists keyed by name."""
+    rows = [json.loads(line) for line in open(pathlib.Path(run_dir) / "metrics.jsonl")]
+    return {k: [r[k] for r in rows] for k in rows[0]}
+
+
+def plot_learning_curve(run_dir):
+    """Success rate and g-mpjpe of the training episodes vs env-steps -> run_dir/learning_curve.png."""
+    from matplotlib.figure import Figure
+    log = read_log(run_dir)
+    fig = Figure(figsize=(9, 3.2))
+    for i, (key, label) in enumerate([("charts/success_rate", "success rate (episodes reaching the clip end)"),
+                                      ("charts/gt_err_mm", "g-mpjpe (mm)"), ("charts/mean_reward", "mean reward")]):
+        ax = fig.add_subplot(1, 3, i + 1)
+        ax.plot(log["global_step"], log[key])
+        ax.set(xlabel="env steps", title=label)
+        ax.title.set_fontsize(8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(pathlib.Path(run_dir) / "learning_curve.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,523 @@
+"""Stage II of HoRD: online DAgger distillation of the teacher into the deployable student, in one file (CleanRL style).
+
+    python student.py --teacher-ckpt runs/<teacher>/teacher.pt          # the paper's configuration (GPU)
+    python student.py --preset cpu --teacher-ckpt t.pt --motions data/packets/g1_moves/M_ShortMove14_seg00.npz
+    python student.py --preset cpu --resume runs/<run>/student.pt      # continue (only --total-env-steps may change)
+    python student.py export --ckpt runs/<run>/student.pt --onnx student.onnx
+    python student.py play --ckpt runs/<run>/student.pt --motions data/keypoints/cmu_bvh/131_01_seg00.npz
+
+Student. alpha_2 = f2(m_t, s_sparse, g_t, Y_sparse) sees only what the robot has: s_sparse = `student_proprio` (joint
+positions and velocities, IMU angular velocity and projected gravity, last PD target; steps t-7..t), the terrain context
+g_t, the SSJR sparse keypoint command Y_sparse = `student_keypoints` (root-relative keypoints at t-7..t+2: 8 past + 2
+future steps) and m_t, its own HCDR token over the (s, alpha) history H_t. The backbone is the teacher's
+(teacher.TokenPolicy, same sizes in the paper preset): one token per proprio step and per keypoint step, a terrain
+token, the HCDR token, a transformer encoder, token 0 -> MLP head. The student cannot see the reference joint
+positions the teacher's residual action is centred on, so it outputs the absolute PD target alpha.
+
+Online DAgger. Each iteration the student drives `num_envs` x `num_steps` control steps (with probability beta per env
+and step the executed action is the teacher's instead; beta = beta_0 * beta_decay^(iteration-1), default 0 as in the
+authors' earlier code), the frozen teacher labels every visited state with alpha_1 = teacher.act(obs) from the
+privileged observations the env returns alongside, and the student regresses onto the labels of this rollout:
+loss = MSE(alpha_2, alpha_1), `update_epochs` passes of minibatches.
+
+Choices where the paper is silent:
+- Nominal pose: TokenPolicy zero-initializes its head, so the student adds a fixed bias alpha_0 = the mean reference
+  joint position of its training motions (the motion library's average pose). An untrained student then holds the
+  clips' average (standing) pose instead of all joints at 0 rad, and the first labels come from upright states. alpha_0
+  is a buffer of the model: saved in checkpoints and folded into the ONNX graph.
+- HCDR: the student has its own HCDR module (hcdr.HCDR inside its TokenPolicy) over the same history H_t, trained by the
+  DAgger loss. --hcdr-from-teacher starts it (and its history normalizer) from the teacher's: the teacher's dynamics
+  features are a warm start; this needs the same HCDR sizes and d_model as the teacher.
+- Observation noise (training only; labels come from clean privileged observations): gaussian, per field, on the
+  sensor parts of student_proprio and of the HCDR history (joint pos 0.01 rad, joint vel 0.5 rad/s, angular velocity
+  0.1 rad/s, projected gravity 0.03; none on the last PD target, which the controller knows exactly) and on
+  student_keypoints (0.01 m: the command is expressed relative to an estimated root pose). --noise-scale scales all.
+- The env: the teacher checkpoint fixes it (make_env kwargs: observation layout, gains, DR, terrain). The student trains
+  on the teacher's engine unless --sim says otherwise, on the teacher's motions unless --motions says otherwise; the
+  teacher's observation layout must equal the env's (ValueError naming the file otherwise).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import random
+import signal
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+
+import envs
+import ssjr
+import teacher
+from teacher import SPARSE_STATE_DIM, build_env, check_layout, load_checkpoint, save_checkpoint
+
+
+@dataclass
+class Args:
+    preset: str = "paper"
+    """'paper' (defaults below: the teacher's sizes and the authors' DAgger settings, GPU) or 'cpu' (small, minutes)"""
+    teacher_ckpt: str = ""
+    """the frozen teacher (teacher.py checkpoint); it also fixes the env configuration"""
+    exp_name: str = "student"
+    """name of this experiment (run folder prefix)"""
+    seed: int = 0
+    """seed of torch, numpy, random and the env"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """torch / simulation device"""
+    torch_threads: int = 0
+    """intra-op CPU threads of torch (0: torch's default)"""
+    sim: str = ""
+    """engine to distil on: isaaclab | genesis ('' = the teacher's)"""
+    motions: str = ""
+    """SSJR packet folder or file ('' = the teacher's motions)"""
+    no_hcdr: bool = False
+    """the 'w/o HCDR' ablation: no history token in the student"""
+    hcdr_from_teacher: bool = False
+    """initialize the student's HCDR (and its history normalizer) from the teacher's"""
+    num_envs: int = 256
+    """parallel environments"""
+    total_env_steps: int = 100_000_000
+    """control steps to distil for (all envs together)"""
+    num_steps: int = 32
+    """rollout length per env per iteration"""
+    update_epochs: int = 6
+    """passes over each rollout (mini-epochs)"""
+    minibatch_size: int = 2048
+    """samples per gradient step"""
+    lr: float = 2e-5
+    """Adam learning rate"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    beta: float = 0.0
+    """beta_0: probability that the executed action is the teacher's (0: the student drives from the start)"""
+    beta_decay: float = 1.0
+    """beta of iteration i = beta_0 * beta_decay^(i-1)"""
+    noise_scale: float = 1.0
+    """multiplies every observation-noise std below (0: no noise)"""
+    noise_dof_pos_rad: float = 0.01
+    """std of the noise on joint positions (student_proprio, history)"""
+    noise_dof_vel_rad_s: float = 0.5
+    """std of the noise on joint velocities"""
+    noise_ang_vel_rad_s: float = 0.1
+    """std of the noise on the root angular velocity (IMU)"""
+    noise_gravity: float = 0.03
+    """std of the noise on the projected gravity (unit vector)"""
+    noise_keypoint_m: float = 0.01
+    """std of the noise on the SSJR keypoint command"""
+    d_model: int = 512
+    """transformer width"""
+    num_layers: int = 6
+    """transformer encoder layers"""
+    num_heads: int = 8
+    """attention heads"""
+    ff_dim: int = 1536
+    """transformer feed-forward width"""
+    head_dim: int = 1024
+    """action head MLP width (3 layers)"""
+    terrain_dim: int = 256
+    """terrain encoder MLP width (2 layers)"""
+    hcdr_queries: int = 4
+    """HCDR learnable query tokens N"""
+    hcdr_dim: int = 128
+    """HCDR token size d_m"""
+    hcdr_layers: int = 2
+    """HCDR Q-Former layers"""
+    checkpoint_every: int = 50
+    """iterations between checkpoints"""
+    resume: str = ""
+    """student checkpoint to continue from"""
+    run_dir: str = ""
+    """where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})"""
+
+
+PRESETS = {
+    "paper": Args(),
+    "cpu": Args(preset="cpu", device="cpu", num_envs=32, total_env_steps=100_000, num_steps=24, update_epochs=6,
+                minibatch_size=256, lr=3e-4, d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256,
+                terrain_dim=64, hcdr_queries=4, hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=1),
+}
+# The deployable inputs, in the order of the ONNX graph's inputs.
+STUDENT_OBS = ("student_proprio", "student_keypoints", "terrain", "history", "history_mask")
+
+
+class StudentPolicy(nn.Module):
+    """alpha_2 = alpha_0 + TokenPolicy(student_proprio, student_keypoints, g_t, m_t): absolute PD targets [N, 29]."""
+
+    def __init__(self, layout: dict, args: Args):
+        super().__init__()
+        self.actor = teacher.TokenPolicy(layout, ("student_proprio", "student_keypoints"), args, hcdr=not args.no_hcdr)
+        self.register_buffer("alpha_0", torch.zeros(29))  # nominal pose (see the module docstring)
+
+    def forward(self, obs: dict) -> torch.Tensor:
+        return self.alpha_0 + self.actor(obs)
+
+    @torch.no_grad()
+    def act(self, obs: dict) -> torch.Tensor:
+        """Deterministic PD targets (evaluation, deployment)."""
+        return self(obs)
+
+
+def init_hcdr_from_teacher(policy: StudentPolicy, teacher_agent, path):
+    """Copy the teacher's HCDR and history normalizer into the student (same sizes required)."""
+    src, dst = teacher_agent.actor, policy.actor
+    if src.hcdr is None or dst.hcdr is None:
+        raise ValueError(f"{path}: --hcdr-from-teacher needs an HCDR in both the teacher and the student")
+    mine, theirs = dst.hcdr.state_dict(), src.hcdr.state_dict()
+    bad = [k for k in mine if mine[k].shape != theirs[k].shape]
+    if bad:
+        raise ValueError(f"{path}: --hcdr-from-teacher: the teacher's HCDR has other sizes ({bad[0]}: "
+                         f"{list(theirs[bad[0]].shape)} vs {list(mine[bad[0]].shape)}); use the teacher's "
+                         f"--hcdr-* and --d-model")
+    dst.hcdr.load_state_dict(theirs)
+    dst.history_norm.load_state_dict(src.history_norm.state_dict())
+
+
+# --- observation noise (training only) ------------------------------------------------------------------------------
+def state_noise_std(args: Args, state_dim: int) -> torch.Tensor:
+    """Per-field std of one (s, alpha) entry: s = dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
+    if state_dim != SPARSE_STATE_DIM:
+        raise ValueError(f"sparse state has {state_dim} dims, the noise fields assume {SPARSE_STATE_DIM}")
+    std = torch.cat([torch.full((29,), args.noise_dof_pos_rad), torch.full((29,), args.noise_dof_vel_rad_s),
+                     torch.full((3,), args.noise_ang_vel_rad_s), torch.full((3,), args.noise_gravity),
+                     torch.zeros(29)])
+    return args.noise_scale * std
+
+
+def noisy(obs: dict, state_std: torch.Tensor, keypoint_std: float) -> dict:
+    """The student's inputs with sensor noise (a new dict; the teacher keeps the clean ones)."""
+    out = {k: obs[k] for k in STUDENT_OBS}
+    for k in ("student_proprio", "history"):
+        out[k] = obs[k] + torch.randn_like(obs[k]) * state_std
+    out["student_keypoints"] = obs["student_keypoints"] + keypoint_std * torch.randn_like(obs["student_keypoints"])
+    return out
+
+
+def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch.Tensor, args: Args) -> list[float]:
+    """update_epochs passes of minibatch MSE(alpha_2, alpha_1) over the rollout; returns the mean loss of each pass."""
+    policy.train()
+    num = len(b_labels)
+    epoch_losses = []
+    for _ in range(args.update_epochs):
+        perm = torch.randperm(num, device=b_labels.device)
+        losses = []
+        for start in range(0, num, args.minibatch_size):
+            mb = perm[start:start + args.minibatch_size]
+            loss = (policy({k: v[mb] for k, v in b_obs.items()}) - b_labels[mb]).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            optimizer.step()
+            losses.append(loss.item())
+        epoch_losses.append(float(np.mean(losses)))
+    policy.eval()
+    return epoch_losses
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------------
+def load_teacher(path, device):
+    """The frozen teacher; a missing file, a non-teacher checkpoint (e.g. a student) -> a clear error."""
+    if not path:
+        raise ValueError("give the teacher to distil: --teacher-ckpt <teacher.pt>")
+    agent, ckpt = teacher.load_policy(path, device)
+    for p in agent.parameters():
+        p.requires_grad_(False)
+    return agent, ckpt
+
+
+def student_env_cfg(args: Args, teacher_ckpt: dict) -> dict:
+    """The teacher's make_env settings; only the engine and the motions may differ."""
+    cfg = dict(teacher_ckpt["env_cfg"])
+    cfg.update({k: v for k, v in (("sim", args.sim), ("motions", args.motions)) if v})
+    return cfg
+
+
+def load_policy(path, device="cpu"):
+    """(student policy in eval mode with act(obs) -> alpha [N, 29], checkpoint dict) for evaluation and export."""
+    ckpt = load_checkpoint(path, "student")
+    policy = StudentPolicy(ckpt["obs_layout"], Args(**ckpt["args"])).to(device)
+    policy.load_state_dict(ckpt["model"])
+    return policy.eval(), ckpt
+
+
+def parse_args() -> Args:
+    """`--preset NAME` picks the defaults; every other flag overrides them."""
+    argv = sys.argv[1:]
+    preset = argv[argv.index("--preset") + 1] if "--preset" in argv[:-1] else "paper"
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown preset '{preset}': choose one of {list(PRESETS)}")
+    return tyro.cli(Args, default=PRESETS[preset])
+
+
+def train(args: Args, env=None) -> pathlib.Path:
+    """Online DAgger. `env`: an already built env made from the teacher's env_cfg (tests share one); None builds it."""
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    resume = load_checkpoint(args.resume, "student") if args.resume else None
+    if resume is not None:  # the checkpoint fixes the teacher, the env and the model; only the budget may change
+        args = dataclasses.replace(Args(**resume["args"]), total_env_steps=args.total_env_steps, resume=args.resume)
+    teacher_agent, tckpt = load_teacher(args.teacher_ckpt, device)
+    env_cfg = student_env_cfg(args, tckpt)
+    run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{env_cfg['sim']}_{args.seed}_{int(time.time())}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args.run_dir = str(run_dir)
+    print("student configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
+
+    env = env if env is not None else build_env(env_cfg, args.num_envs, args.device, args.seed)
+    obs = env.reset()
+    layout = env.obs_layout
+    check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, teacher.TEACHER_OBS)
+    policy = StudentPolicy(layout, args).to(device)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=1e-5)
+    global_step, iteration = 0, 0
+    if resume is not None:
+        check_layout(args.resume, resume["obs_layout"], layout, STUDENT_OBS)
+        policy.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        global_step, iteration = resume["global_step"], resume["iteration"]
+        torch.set_rng_state(resume["rng"]["torch"])
+        np.random.set_state(resume["rng"]["numpy"])
+        random.setstate(resume["rng"]["python"])
+        print(f"resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
+    else:
+        policy.alpha_0.copy_(env.motions.dof_pos.mean(0))
+        if args.hcdr_from_teacher:
+            init_hcdr_from_teacher(policy, teacher_agent, args.teacher_ckpt)
+    policy.eval()
+
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(run_dir)
+    ckpt_path = run_dir / "student.pt"
+
+    def checkpoint():
+        save_checkpoint(ckpt_path, {
+            "kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
+            "model": policy.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
+            "iteration": iteration, "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}})
+
+    stop = {"now": False}
+    previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: save, exit
+
+    # ALGO LOGIC: storage (the rollout's student inputs and teacher labels)
+    n, T = args.num_envs, args.num_steps
+    if env.num_envs != n:
+        raise ValueError(f"the env has {env.num_envs} envs, --num-envs says {n}")
+    buf_obs = {k: torch.zeros((T, n, *layout[k]), dtype=obs[k].dtype, device=device) for k in STUDENT_OBS}
+    labels = torch.zeros(T, n, 29, device=device)
+    state_std = state_noise_std(args, layout["student_proprio"][-1] - 29).to(device)
+    keypoint_std = args.noise_scale * args.noise_keypoint_m
+    ep_len = torch.zeros(n, device=device)
+    num_iterations = args.total_env_steps // (n * T)
+    start_time, start_step = time.time(), global_step
+
+    while iteration < num_iterations and not stop["now"]:
+        iteration += 1
+        beta = args.beta * args.beta_decay ** (iteration - 1)
+        stats = {"action_mse": [], "length": [], "success": [], "gt_err_m": [], "teacher_steps": 0}
+        for step in range(T):
+            global_step += n
+            student_obs = noisy(obs, state_std, keypoint_std)
+            with torch.no_grad():
+                policy.actor.update_norms(student_obs)
+                alpha_2 = policy(student_obs)
+                alpha_1 = teacher_agent.act(obs)  # DAgger label of the visited state (privileged, clean)
+            for k in STUDENT_OBS:
+                buf_obs[k][step] = student_obs[k]
+            labels[step] = alpha_1
+            use_teacher = torch.rand(n, device=device) < beta
+            obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, alpha_2))
+            ep_len += 1
+            stats["teacher_steps"] += int(use_teacher.sum())
+            stats["action_mse"].append((alpha_2 - alpha_1).pow(2).mean().item())
+            stats["gt_err_m"].append(info["metrics"]["gt_err_m"].mean().item())
+            if done.any():
+                stats["length"] += ep_len[done].tolist()
+                stats["success"] += info["time_out"][done].float().tolist()
+                ep_len[done] = 0.0
+
+        # ALGO LOGIC: regress alpha_2 onto alpha_1 over the rollout
+        flat = lambda x: x.reshape(n * T, *x.shape[2:])
+        epoch_losses = dagger_update(policy, optimizer, {k: flat(v) for k, v in buf_obs.items()}, flat(labels), args)
+
+        # logging: TensorBoard + one line per iteration
+        elapsed = time.time() - start_time
+        sps = (global_step - start_step) / elapsed
+        mean = lambda x: float(np.mean(x)) if len(x) else float("nan")
+        scalars = {"charts/action_mse": mean(stats["action_mse"]), "charts/success_rate": mean(stats["success"]),
+                   "charts/episode_length": mean(stats["length"]), "charts/gt_err_mm": 1000 * mean(stats["gt_err_m"]),
+                   "charts/beta": beta, "charts/teacher_action_fraction": stats["teacher_steps"] / (n * T),
+                   "charts/SPS": sps, "charts/nan_resets": env.nan_resets,
+                   "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1]}
+        for k, v in scalars.items():
+            writer.add_scalar(k, v, global_step)
+        eta_min = (num_iterations - iteration) * n * T / max(sps, 1e-6) / 60
+        print(f"it {iteration}/{num_iterations} step {global_step:,} | {sps:,.0f} env-steps/s | action mse "
+              f"{scalars['charts/action_mse']:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | success "
+              f"{scalars['charts/success_rate']:.2f} | g-mpjpe {scalars['charts/gt_err_mm']:.0f} mm | beta {beta:.2f}"
+              f" | ETA {eta_min:.1f} min", flush=True)
+        if iteration % args.checkpoint_every == 0:
+            checkpoint()
+    checkpoint()
+    writer.close()
+    signal.signal(signal.SIGINT, previous_handler)
+    print(f"saved {ckpt_path}")
+    return ckpt_path
+
+
+# --- export: the deployable artefact ---------------------------------------------------------------------------------
+@dataclass
+class Export:
+    """python student.py export --ckpt runs/<run>/student.pt --onnx student.onnx"""
+    ckpt: str
+    """student checkpoint"""
+    onnx: str = "student.onnx"
+    """output ONNX file"""
+    opset: int = 17
+    """ONNX opset"""
+
+
+class OnnxPolicy(nn.Module):
+    """The student with positional inputs (STUDENT_OBS order) for the ONNX graph."""
+
+    def __init__(self, policy: StudentPolicy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, student_proprio, student_keypoints, terrain, history, history_mask):
+        return self.policy({"student_proprio": student_proprio, "student_keypoints": student_keypoints,
+                            "terrain": terrain, "history": history, "history_mask": history_mask})
+
+
+def export(args: Export) -> pathlib.Path:
+    """Write the ONNX policy (inputs STUDENT_OBS with a dynamic batch axis, output alpha [N, 29] rad) with the
+    observation layout and the controller facts in its metadata. Uses the TorchScript exporter (dynamo=False: the
+    dynamo exporter needs onnxscript) with the fused transformer fast path off, which it cannot export."""
+    import onnx
+    policy, ckpt = load_policy(args.ckpt, "cpu")
+    layout = ckpt["obs_layout"]
+    inputs = tuple(torch.zeros(2, *layout[k], dtype=torch.bool if k == "history_mask" else torch.float32)
+                   for k in STUDENT_OBS)
+    out = pathlib.Path(args.onnx)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp.onnx")
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # TracerWarning / constant-folding notes; parity is tested
+            torch.onnx.export(OnnxPolicy(policy).eval(), inputs, str(tmp), dynamo=False, opset_version=args.opset,
+                              input_names=list(STUDENT_OBS), output_names=["alpha"],
+                              dynamic_axes={k: {0: "batch"} for k in (*STUDENT_OBS, "alpha")})
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    model = onnx.load(str(tmp))
+    names = [i.name for i in model.graph.input]  # the history inputs are pruned from a --no-hcdr student
+    kp, kd, limit = envs.joint_table()
+    meta = {"kind": "hord_student", "obs_layout": {k: layout[k] for k in names}, "inputs": names,
+            "output": "alpha: absolute PD targets [N, 29] rad",
+            "dof_names": list(ssjr.DOF_NAMES), "keypoint_names": list(ssjr.KEYPOINT_NAMES),
+            "control_dt_s": envs.CONTROL_DT_S, "kp": kp.tolist(), "kd": kd.tolist(), "effort_limit_nm": limit.tolist(),
+            "env_cfg": ckpt["env_cfg"], "global_step": ckpt["global_step"], "source_ckpt": str(args.ckpt)}
+    for k, v in meta.items():
+        model.metadata_props.add(key=k, value=json.dumps(v))
+    onnx.save(model, str(tmp))
+    tmp.replace(out)
+    print(f"wrote {out} (inputs {meta['inputs']}, output alpha [N, 29])")
+    return out
+
+
+# --- play: a student driven by any SSJR keypoint command (robot packet or human keypoints) -------------------------
+@dataclass
+class Play:
+    """python student.py play --ckpt runs/<run>/student.pt --motions data/keypoints/cmu_bvh/<file>.npz"""
+    ckpt: str
+    """student checkpoint"""
+    motions: str
+    """command file(s): a human keypoint file (ssjr.py from BVH/AMASS), an SSJR robot packet, or a folder"""
+    sim: str = ""
+    """engine ('' = the checkpoint's)"""
+    dr: bool = False
+    """episode-level domain randomization on (off: nominal dynamics)"""
+    terrain: str = "flat"
+    """flat | smooth_slope | rough_slope"""
+    num_envs: int = 1
+    """parallel episodes (env i plays file i mod the number of files from its first frame)"""
+    seed: int = 0
+    """env seed"""
+    device: str = "cpu"
+    """torch / simulation device"""
+    torch_threads: int = 1
+    """intra-op CPU threads of torch"""
+
+
+def keypoint_err_m(env, info) -> torch.Tensor:
+    """Mean world distance of the robot's SSJR keypoint bodies to the commanded keypoints [N]: the env's own metric
+    when it reports one (human keypoint commands), else from the reference bodies of a robot packet."""
+    if "keypoint_err_m" in info["metrics"]:
+        return info["metrics"]["keypoint_err_m"]
+    ids = list(ssjr.KEYPOINT_BODY_IDS)
+    return (env.body_pos_w[:, ids] - env.ref_body_pos_w[:, ids]).norm(dim=-1).mean(-1)
+
+
+def rollout_episodes(env, policy) -> list[dict]:
+    """Run `policy` until every env has finished one episode (from reset); per env: steps, mean keypoint error, mean
+    g-mpjpe, fell (ended by the env's failure test before the clip end), success (reached the clip end)."""
+    n = env.num_envs
+    obs = env.reset()
+    kp_sum, gt_sum = torch.zeros(n), torch.zeros(n)
+    steps = torch.zeros(n, dtype=torch.long)
+    result: list[dict | None] = [None] * n
+    while any(r is None for r in result):
+        with torch.no_grad():  # not inference_mode: the env keeps tensors from this step in its state
+            obs, _, done, info = env.step(policy.act(obs))
+        live = torch.tensor([r is None for r in result])
+        kp_sum += torch.where(live, keypoint_err_m(env, info).cpu(), 0.0)
+        gt_sum += torch.where(live, info["metrics"]["gt_err_m"].cpu(), 0.0)
+        steps += live.long()
+        for i in (done.cpu() & live).nonzero().flatten().tolist():
+            result[i] = {"env": i, "clip": int(info["clip"][i]), "steps": int(steps[i]),
+                         "keypoint_err_m": float(kp_sum[i] / steps[i]), "g_mpjpe_m": float(gt_sum[i] / steps[i]),
+                         "fell": bool(info["failed"][i]), "success": bool(info["time_out"][i])}
+    return result
+
+
+def play(args: Play) -> list[dict]:
+    """Drive the student with a command file and report the keypoint tracking error and the falls."""
+    torch.set_num_threads(args.torch_threads)
+    policy, ckpt = load_policy(args.ckpt, args.device)
+    overrides = dict(motions=args.motions, dr="default" if args.dr else None, terrain=args.terrain, start="frame0",
+                     exclude_test=False)
+    if args.sim:
+        overrides["sim"] = args.sim
+    env = build_env(ckpt["env_cfg"], args.num_envs, args.device, args.seed, **overrides)
+    env.reset()
+    check_layout(args.ckpt, ckpt["obs_layout"], env.obs_layout, STUDENT_OBS)
+    episodes = rollout_episodes(env, policy)
+    names = env.motions.names
+    print(f"{'env':>4} {'command':<28}{'steps':>6}{'keypoint err mm':>17}{'g-mpjpe mm':>12}{'fell':>6}")
+    for e in episodes:
+        print(f"{e['env']:>4} {names[e['clip']]:<28}{e['steps']:>6}{1000 * e['keypoint_err_m']:>17.0f}"
+              f"{1000 * e['g_mpjpe_m']:>12.0f}{'yes' if e['fell'] else 'no':>6}")
+    print(f"keypoint error {1000 * np.mean([e['keypoint_err_m'] for e in episodes]):.0f} mm | falls "
+          f"{sum(e['fell'] for e in episodes)}/{len(episodes)}")
+    return episodes
+
+
+if __name__ == "__main__":
+    commands = {"export": (Export, export), "play": (Play, play)}
+    if len(sys.argv) > 1 and sys.argv[1] in commands:
+        spec, run = commands[sys.argv.pop(1)]
+        run(tyro.cli(spec))
+    else:
+        train(parse_args())
