@@ -1014,4 +1014,4 @@ def bench(args: Bench) -> dict[str, float]:
 
 if __name__ == "__main__":
     import tyro
-    tyro.extras.subcommand_cli_from_dict({"bench": bench})
+    bench(tyro.extras.subcommand_cli_from_dict({"bench": Bench}))

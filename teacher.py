@@ -113,8 +113,8 @@ class Args:
 
 PRESETS = {
     "paper": Args(),
-    "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=64, total_env_steps=2_000_000,
-                num_steps=24, minibatch_size=512, update_epochs=4, actor_lr=1e-4, critic_lr=3e-4, log_std=-2.0,
+    "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=64, total_env_steps=200_000,
+                num_steps=24, minibatch_size=768, update_epochs=2, actor_lr=1e-4, critic_lr=3e-4, log_std=-2.0,
                 d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256, terrain_dim=64, critic_dim=256,
                 hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=1),
 }
@@ -207,6 +207,11 @@ class Agent(nn.Module):
         self.critic = mlp([layout["critic"][0]] + [args.critic_dim] * 4 + [1])
         self.log_std = args.log_std
         self.action_scale = args.action_scale
+
+    @torch.no_grad()
+    def update_norms(self, obs):
+        self.actor.update_norms(obs)
+        self.critic_norm.update(obs["critic"])
 
     def value(self, obs):
         return self.critic(self.critic_norm(obs["critic"])).squeeze(-1)
@@ -331,6 +336,7 @@ def main(args: Args):
     obs = env.reset()
     layout = env.obs_layout
     agent = Agent(layout, args).to(device)
+    agent.update_norms(obs)
     actor_opt = torch.optim.Adam(agent.actor.parameters(), lr=args.actor_lr, eps=1e-5)
     critic_opt = torch.optim.Adam(list(agent.critic.parameters()), lr=args.critic_lr, eps=1e-5)
     global_step, iteration = 0, 0
@@ -378,8 +384,6 @@ def main(args: Args):
             for k in TEACHER_OBS:
                 buf_obs[k][step] = obs[k]
             with torch.no_grad():
-                agent.actor.update_norms(obs)
-                agent.critic_norm.update(obs["critic"])
                 dist = agent.dist(obs)
                 a = dist.sample()
                 logprobs[step] = dist.log_prob(a).sum(-1)
@@ -430,6 +434,9 @@ def main(args: Args):
                 nn.utils.clip_grad_norm_(agent.critic.parameters(), args.max_grad_norm)
                 actor_opt.step()
                 critic_opt.step()
+
+        # observation statistics: updated after the PPO update (the update must see the rollout's normalization)
+        agent.update_norms(buf_obs)
 
         # logging: TensorBoard + one line per iteration
         elapsed = time.time() - start_time
