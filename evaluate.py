@@ -6,8 +6,18 @@
 
 Settings: `<engine>[+dr][@<terrain>]`, engine = isaaclab | genesis | in_domain | zero_shot (in_domain is the engine
 the first checkpoint was trained on, env_cfg["sim"]; zero_shot the other one), +dr = envs.DR() (paper Table 5,
-pushes included), terrain = flat (default) | smooth_slope | rough_slope. Push recovery is read from the +dr settings:
-the success rate of the episodes that received at least one push (needs info["pushed"] from the env).
+pushes included), terrain = flat (default) | smooth_slope | rough_slope. The env of a (checkpoint, setting) is
+make_env(**ckpt["env_cfg"]) with sim, dr, terrain, start="frame0", exclude_test=False set by the setting; it is built
+once (with the first seed) and `env.reseed(seed)` restarts it for every seed (so the rough-slope heightfield noise is
+the first seed's; psi, pushes and spawn tiles follow each seed). It is closed (env.close()) before the next one is
+built, also on errors: Isaac Lab allows one live env per process. Push recovery (+dr settings) is the success rate of
+the episodes that received at least one push (info["pushed"]); pushes come every U[5, 10] s of episode time, so
+episodes shorter than 5 s are never pushed.
+
+Motions: the held-out test split (ssjr.TEST_CLIPS) by default, or any packet folder/file. Human keypoint command files
+(kind='human_keypoints', e.g. data/keypoints/cmu_bvh/*.npz) are accepted too: the env's reference bodies are then the
+default stance at the command's root with only the SSJR keypoint bodies commanded, so for them the full-body metrics
+are left empty (NaN) and they are scored by the keypoint error and the falls, in their own report section.
 
 Every episode starts at frame 0 of its clip (reference-state init; make_env(start="frame0")), runs until the clip
 ends or the env terminates it (max body error > 0.5 m), and is recorded per control step (50 Hz): env.body_pos_w,
@@ -29,6 +39,9 @@ pre-reset states the env's reward and termination were computed from). Metrics p
     lr_rew   err_t = mean_j angle(lr_tj, lr_ref_tj)        local rotation of body j+1 in its parent's frame
     rv_rew   err_t = ||v_t - v_ref_t||^2                   root linear velocity, world frame (m/s)
     rav_rew  err_t = ||w_t - w_ref_t||^2                   root angular velocity, world frame (rad/s)
+  keypoint_err = mean_t mean_k ||b_tk - b_ref_tk||, k = the SSJR keypoint bodies   (world frame, mm; every command)
+  fell         = the env ended the episode early: its failure test (a body > 0.5 m from the command, which a fall
+                 always triggers) or a blown-up simulation                     (every command; reported in %)
   Velocities are finite differences of the recorded states over one control step (dt = envs.CONTROL_DT_S),
   identical for robot and reference: v_t = (p_root,t+1 - p_root,t)/dt, w_t = rotvec(q_root,t+1 q_root,t^-1)/dt,
   and the joint-velocity error |qdot - qdot_ref| = angle(lr_t^-1 lr_t+1, lr_ref_t^-1 lr_ref_t+1)/dt, exact for hinge
@@ -39,10 +52,11 @@ Significance: paired t-test (own Student-t CDF via the regularized incomplete be
 checkpoint against the first one, pairing episodes by (clip, seed, episode); p < alpha (0.01) is flagged.
 
 Outputs in --out-dir (each written atomically): table.md (Table 1 shape, terrain, push recovery, all metrics,
-per-motion, t-tests), episodes.csv (one row per episode), summary.json, plots/*.png, videos/*.mp4.
+per-motion, keypoint commands, t-tests), episodes.csv (one row per episode), summary.json, plots/*.png, videos/*.mp4.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import importlib
@@ -66,9 +80,14 @@ import ssjr
 SUCCESS_THRESHOLD_M = 0.5  # paper: an episode fails once the global translation error exceeds 0.5 m
 REWARD_C = {"dv": 0.002, "kb": 10.0, "lr": 0.2, "rv": 0.5, "rav": 0.1}  # c of exp(-c * err); ProtoMotions' values
 METRICS = ("success", "g_mpjpe_mm", "mpjpe_mm", "gr_err_rad", "gr_err_deg",
-           "dv_rew", "kb_rew", "lr_rew", "rv_rew", "rav_rew")
-LOWER_IS_BETTER = {"g_mpjpe_mm", "mpjpe_mm", "gr_err_rad", "gr_err_deg"}
+           "dv_rew", "kb_rew", "lr_rew", "rv_rew", "rav_rew")  # full body: NaN for human keypoint commands
+KEYPOINT_METRICS = ("keypoint_err_mm", "fell")  # every command
+ALL_METRICS = METRICS + KEYPOINT_METRICS
+PERCENT = {"success", "fell"}  # 0/1 per episode, reported in %
+LOWER_IS_BETTER = {"g_mpjpe_mm", "mpjpe_mm", "gr_err_rad", "gr_err_deg", "keypoint_err_mm", "fell"}
 TABLE1_METRICS = (("success", "Succ. (%)↑"), ("g_mpjpe_mm", "g-mpjpe (mm)↓"), ("mpjpe_mm", "mpjpe (mm)↓"))
+KEYPOINT_TABLE = (("keypoint_err_mm", "keypoint err (mm)↓"), ("fell", "falls (%)↓"))
+ROBOT, HUMAN_KEYPOINTS = "robot", "human_keypoints"  # the packet kinds (ssjr.save_packet)
 ENGINES = {"isaaclab": "IsaacLab", "genesis": "Genesis"}
 RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
 
@@ -84,12 +103,13 @@ class Args:
                                  "zero_shot@smooth_slope", "zero_shot@rough_slope")
     """evaluation settings, `<engine>[+dr][@<terrain>]` (see the module docstring)"""
     motions: str = ""
-    """'' = the held-out test split (ssjr.TEST_CLIPS, looked up in packet_dir); else a packet folder, a packet file
-    or a human keypoint file"""
-    packet_dir: str = str(ssjr.REPO / "data" / "packets")
+    """'' = the held-out test split (ssjr.TEST_CLIPS, looked up in packet_dir); else a folder or a file of SSJR packets
+    and/or human keypoint commands (e.g. data/keypoints/cmu_bvh)"""
+    packet_dir: str = str(ssjr.REPO / "data" / "packets" / "g1_moves")
     """folder searched (recursively) for the test-split packets written by `ssjr.py convert`"""
     seeds: tuple[int, ...] = (0, 1, 2)
-    """env seeds (episode-level dynamics psi, pushes, terrain tile); mean +- std is taken over them"""
+    """env seeds (episode-level dynamics psi, pushes, spawn tile); mean +- std is taken over them. One env per
+    (checkpoint, setting) is built with the first seed and restarted with env.reseed(seed) for each"""
     episodes: int = 2
     """episodes per clip and seed"""
     num_envs: int = 16
@@ -171,8 +191,16 @@ def reward_terms(pos: torch.Tensor, quat: torch.Tensor, ref_pos: torch.Tensor, r
     return {f"{k}_rew": float(torch.exp(-REWARD_C[k] * err[k]).mean()) if k in err else math.nan for k in REWARD_C}
 
 
-def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S) -> dict[str, float]:
-    """All per-episode metrics of a recorded episode (rec: RECORDED arrays [T,B,.], numpy or torch)."""
+def keypoint_err_m(pos: torch.Tensor, ref_pos: torch.Tensor) -> torch.Tensor:
+    """Mean distance of the SSJR keypoint bodies to their commanded positions per step (world frame), [T]."""
+    kb = list(ssjr.KEYPOINT_BODY_IDS)
+    return body_errors_m(pos[:, kb], ref_pos[:, kb]).mean(dim=-1)
+
+
+def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S, command: str = ROBOT) -> dict[str, float]:
+    """The per-episode metrics computable from a recorded episode (rec: RECORDED arrays [T,B,.], numpy or torch):
+    METRICS (NaN for a human keypoint command, whose non-keypoint reference bodies are filler), keypoint_err_mm and
+    max_gte_m (the quantity the env terminates on). `fell` is the env's verdict: it comes with the rollout."""
     pos, ref_pos, quat, ref_quat = (torch.as_tensor(np.asarray(rec[k]), dtype=torch.float64) for k in RECORDED)
     if pos.ndim != 3 or pos.shape[0] == 0 or pos.shape != ref_pos.shape or quat.shape != ref_quat.shape:
         raise ValueError(f"episode arrays must be [T>0,B,3] / [T,B,4] and match: {tuple(pos.shape)} "
@@ -183,6 +211,11 @@ def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S) -> dict[str, flo
            "g_mpjpe_mm": 1000.0 * g_mpjpe_m(pos, ref_pos), "mpjpe_mm": 1000.0 * mpjpe_m(pos, quat, ref_pos, ref_quat),
            "gr_err_rad": gr, "gr_err_deg": math.degrees(gr)}
     out.update(reward_terms(pos, quat, ref_pos, ref_quat, dt_s, ssjr.BODY_PARENTS, ssjr.KEYPOINT_BODY_IDS))
+    if command == HUMAN_KEYPOINTS:
+        out.update(dict.fromkeys(METRICS, math.nan))
+    elif command != ROBOT:
+        raise ValueError(f"unknown command kind {command!r}: expected {ROBOT!r} or {HUMAN_KEYPOINTS!r}")
+    out["keypoint_err_mm"] = 1000.0 * float(keypoint_err_m(pos, ref_pos).mean())
     return out
 
 
@@ -256,8 +289,8 @@ def group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
 
 
 def seed_stats(rows: list[dict], metric: str) -> tuple[float, float, int]:
-    """Mean over episodes per seed, then (mean, std ddof=1 (0 for one seed), number of seeds); success in %."""
-    scale = 100.0 if metric == "success" else 1.0
+    """Mean over episodes per seed, then (mean, std ddof=1 (0 for one seed), number of seeds); PERCENT metrics in %."""
+    scale = 100.0 if metric in PERCENT else 1.0
     per_seed = [scale * _mean([r[metric] for r in sel]) for _, sel in sorted(group(rows, "seed").items())]
     per_seed = [x for x in per_seed if math.isfinite(x)]
     if not per_seed:
@@ -276,11 +309,13 @@ def paired_comparison(by_label_setting: dict[tuple, list[dict]], metric: str, se
 
 
 def ttest_rows(rows: list[dict], labels: list[str], settings: list[str], alpha: float) -> list[dict]:
-    """Every checkpoint after the first against the first, per setting and metric."""
+    """Every checkpoint after the first against the first, per setting and metric (metrics that are NaN in every
+    row, e.g. the full-body ones of a keypoint-command-only run, are left out)."""
     out, by = [], group(rows, "label", "setting")
+    metrics = [m for m in ALL_METRICS if any(math.isfinite(r[m]) for r in rows)]
     for label in labels[1:]:
         for setting in settings:
-            for metric in METRICS:
+            for metric in metrics:
                 t, p, df = paired_comparison(by, metric, setting, label, labels[0])
                 out.append({"label": label, "reference": labels[0], "setting": setting, "metric": metric,
                             "t": t, "p": p, "df": df, "significant": bool(p < alpha)})
@@ -294,7 +329,7 @@ def _fmt(mean: float, std: float, n: int, digits: int) -> str:
 
 
 def _digits(metric: str) -> int:
-    return 1 if metric == "success" else 0 if metric.endswith("_mm") else 3
+    return 1 if metric in PERCENT else 0 if metric.endswith("_mm") else 3
 
 
 def _md(header: list[str], body: list[list[str]]) -> str:
@@ -302,15 +337,16 @@ def _md(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body]) + "\n"
 
 
-def table1_markdown(rows: list[dict], labels: list[str], settings: list["Setting"], alpha: float) -> str:
-    """Paper Table 1: one row per checkpoint, Succ. / g-mpjpe / mpjpe per setting, mean ± std over seeds;
-    `*` = paired t-test against the first row with p < alpha."""
-    header = ["Method"] + [f"{s.title} {name}" for s in settings for _, name in TABLE1_METRICS]
+def table1_markdown(rows: list[dict], labels: list[str], settings: list["Setting"], alpha: float,
+                    columns=TABLE1_METRICS) -> str:
+    """Paper Table 1: one row per checkpoint, the `columns` (Succ. / g-mpjpe / mpjpe) per setting, mean ± std over
+    seeds; `*` = paired t-test against the first row with p < alpha."""
+    header = ["Method"] + [f"{s.title} {name}" for s in settings for _, name in columns]
     body, by = [], group(rows, "label", "setting")
     for label in labels:
         cells = [label]
         for s in settings:
-            for metric, _ in TABLE1_METRICS:
+            for metric, _ in columns:
                 cell = _fmt(*seed_stats(by.get((label, s.name), []), metric), _digits(metric))
                 if label != labels[0] and paired_comparison(by, metric, s.name, label, labels[0])[1] < alpha:
                     cell += " *"
@@ -322,30 +358,35 @@ def table1_markdown(rows: list[dict], labels: list[str], settings: list["Setting
 def metrics_markdown(rows: list[dict], labels: list[str], setting: "Setting") -> str:
     """Paper App. Table 'comprehensive metrics': one row per metric, one column per checkpoint."""
     by = group(rows, "label", "setting")
-    body = [[(m + " (%)" if m == "success" else m) + (" ↓" if m in LOWER_IS_BETTER else " ↑")]
+    body = [[(m + " (%)" if m in PERCENT else m) + (" ↓" if m in LOWER_IS_BETTER else " ↑")]
             + [_fmt(*seed_stats(by.get((label, setting.name), []), m), _digits(m)) for label in labels]
-            for m in METRICS]
+            for m in ALL_METRICS]
     return _md(["Metric"] + labels, body)
 
 
-def per_motion_markdown(rows: list[dict], labels: list[str], setting: "Setting", motions: list[str]) -> str:
-    """Per-motion breakdown (a motion = all segments of one source clip): success, g-mpjpe, mpjpe per checkpoint."""
-    header = ["Motion"] + [f"{label} {name}" for label in labels for _, name in TABLE1_METRICS]
+def per_motion_markdown(rows: list[dict], labels: list[str], setting: "Setting", motions: list[str],
+                        columns=TABLE1_METRICS) -> str:
+    """Per-motion breakdown (a motion = all segments of one source clip): the `columns` per checkpoint."""
+    header = ["Motion"] + [f"{label} {name}" for label in labels for _, name in columns]
     by = group(rows, "label", "setting", "motion")
     body = [[motion] + [_fmt(*seed_stats(by.get((label, setting.name, motion), []), m), _digits(m))
-                        for label in labels for m, _ in TABLE1_METRICS] for motion in motions]
+                        for label in labels for m, _ in columns] for motion in motions]
     return _md(header, body)
 
 
-def push_markdown(rows: list[dict], labels: list[str], settings: list["Setting"]) -> str:
-    """Push recovery: success rate of the episodes that were pushed at least once, per +DR setting."""
-    header = ["Method"] + [f"{s.title} push succ. (%)↑ [pushed episodes]" for s in settings]
+def push_markdown(rows: list[dict], labels: list[str], settings: list["Setting"], metric: str = "success",
+                  name: str = "push succ. (%)↑") -> str:
+    """Push recovery: `metric` (success) over the episodes that were pushed at least once, per +DR setting;
+    [pushed episodes / all episodes] after each cell."""
+    header = ["Method"] + [f"{s.title} {name} [pushed/all episodes]" for s in settings]
     body, by = [], group(rows, "label", "setting")
     for label in labels:
         cells = [label]
         for s in settings:
-            pushed = [r for r in by.get((label, s.name), []) if r["pushed"] == 1.0]
-            cells.append(f"{_fmt(*seed_stats(pushed, 'success'), 1)} [{len(pushed)}]" if pushed else "n/a [0]")
+            sel = by.get((label, s.name), [])
+            pushed = [r for r in sel if r["pushes"] > 0]
+            cell = _fmt(*seed_stats(pushed, metric), _digits(metric)) if pushed else "n/a"
+            cells.append(f"{cell} [{len(pushed)}/{len(sel)}]")
         body.append(cells)
     return _md(header, body)
 
@@ -356,29 +397,56 @@ def ttest_markdown(tests: list[dict], alpha: float) -> str:
     return _md(["Method", "vs", "Setting", "Metric", "t", "p", "df", f"p < {alpha}"], body)
 
 
+def _counts(rows: list[dict]) -> str:
+    motions, clips = {r["motion"] for r in rows}, {r["clip"] for r in rows}
+    seeds, eps = {r["seed"] for r in rows}, {(r["clip"], r["seed"], r["episode"]) for r in rows}
+    return (f"{len(motions)} motions ({len(clips)} clips), {len(seeds)} seed(s), {len(eps)} episodes per checkpoint "
+            f"and setting")
+
+
+def push_note() -> str:
+    lo, hi = envs.DR().push_interval_s
+    return (f"Pushes (+DR only): a root-velocity kick of up to {envs.DR().push_vel_mps} m/s every U[{lo:g}, {hi:g}] s "
+            f"of episode time; episodes shorter than {lo:g} s are never pushed.\n\n")
+
+
 def report_markdown(rows: list[dict], labels: list[str], settings: list["Setting"], alpha: float) -> str:
-    """The full markdown report (what is printed and saved as table.md)."""
-    motions = list(dict.fromkeys(r["motion"] for r in rows))
-    n_clips, n_seeds = len({r["clip"] for r in rows}), len({r["seed"] for r in rows})
-    n_eps = len({(r["clip"], r["seed"], r["episode"]) for r in rows})
+    """The full markdown report (what is printed and saved as table.md): the paper's tables over the robot-motion
+    episodes, a keypoint error / falls section over the human keypoint command episodes, the t-tests over both."""
+    robot = [r for r in rows if r["command"] == ROBOT]
+    human = [r for r in rows if r["command"] == HUMAN_KEYPOINTS]
     flat = [s for s in settings if s.terrain == "flat"]
-    parts = [f"# HoRD evaluation\n\n{len(motions)} motions ({n_clips} clips), {n_seeds} seed(s), {n_eps} episodes "
-             f"per checkpoint and "
-             f"setting; mean ± std over seeds; success = max_t GTE_t < {SUCCESS_THRESHOLD_M} m. "
-             f"`*`: paired t-test against {labels[0]} with p < {alpha}.\n"]
-    if flat:
-        parts.append("## Table 1: tracking across engines\n\n" + table1_markdown(rows, labels, flat, alpha))
-    sloped = [s for s in settings if s.terrain != "flat"]
-    if sloped:
-        terrain = [s for s in flat if any((s.sim, s.dr) == (t.sim, t.dr) for t in sloped)] + sloped
-        parts.append("## Terrain\n\n" + table1_markdown(rows, labels, terrain, alpha))
     with_dr = [s for s in settings if s.dr]
-    if with_dr:
-        parts.append("## Push recovery\n\n" + push_markdown(rows, labels, with_dr))
-    for s in settings:
-        parts.append(f"## All metrics: {s.title}\n\n" + metrics_markdown(rows, labels, s))
-    for s in settings:
-        parts.append(f"## Per motion: {s.title}\n\n" + per_motion_markdown(rows, labels, s, motions))
+    parts = [f"# HoRD evaluation\n\nMean ± std over seeds; success = max_t GTE_t < {SUCCESS_THRESHOLD_M} m; falls = "
+             f"episodes the env ended early (a body > {envs.TERMINATION_ERR_M} m from the command, or a blown-up "
+             f"simulation). `*`: paired t-test against {labels[0]} with p < {alpha}.\n"]
+    if robot:
+        motions = list(dict.fromkeys(r["motion"] for r in robot))
+        parts.append(f"Robot motions (SSJR packets): {_counts(robot)}.\n")
+        if flat:
+            parts.append("## Table 1: tracking across engines\n\n" + table1_markdown(robot, labels, flat, alpha))
+        sloped = [s for s in settings if s.terrain != "flat"]
+        if sloped:
+            terrain = [s for s in flat if any((s.sim, s.dr) == (t.sim, t.dr) for t in sloped)] + sloped
+            parts.append("## Terrain\n\n" + table1_markdown(robot, labels, terrain, alpha))
+        if with_dr:
+            parts.append("## Push recovery\n\n" + push_note() + push_markdown(robot, labels, with_dr))
+        for s in settings:
+            parts.append(f"## All metrics: {s.title}\n\n" + metrics_markdown(robot, labels, s))
+        for s in settings:
+            parts.append(f"## Per motion: {s.title}\n\n" + per_motion_markdown(robot, labels, s, motions))
+    if human:
+        commands = list(dict.fromkeys(r["motion"] for r in human))
+        parts.append(f"## Human keypoint commands\n\n{_counts(human)}. Only the SSJR keypoint bodies are commanded "
+                     f"(the other reference bodies are a default stance), so these episodes are scored by the keypoint "
+                     f"error and the falls instead of the full-body metrics above.\n\n"
+                     + table1_markdown(human, labels, settings, alpha, KEYPOINT_TABLE))
+        if with_dr:
+            parts.append("## Push recovery: human keypoint commands\n\n" + push_note()
+                         + push_markdown(human, labels, with_dr, "fell", "falls of pushed episodes (%)↓"))
+        for s in settings:
+            parts.append(f"## Per command: {s.title}\n\n"
+                         + per_motion_markdown(human, labels, s, commands, KEYPOINT_TABLE))
     if len(labels) > 1:
         parts.append("## Paired t-tests\n\n" + ttest_markdown(ttest_rows(rows, labels, [s.name for s in settings],
                                                                          alpha), alpha))
@@ -420,34 +488,42 @@ def csv_text(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-def plot_per_motion(rows: list[dict], labels: list[str], setting: "Setting", path) -> pathlib.Path:
-    """Grouped bars of g-mpjpe and mpjpe per motion and checkpoint (error bars: std over seeds)."""
+def _axis_label(metric: str) -> str:
+    return {"success": "strict success (%)", "fell": "falls (%)", "g_mpjpe_mm": "g-mpjpe (mm)",
+            "mpjpe_mm": "mpjpe (mm)", "keypoint_err_mm": "keypoint error (mm)"}.get(metric, metric)
+
+
+def plot_per_motion(rows: list[dict], labels: list[str], setting: "Setting", path,
+                    metrics: tuple[str, ...] = ("g_mpjpe_mm", "mpjpe_mm"), what: str = "motion") -> pathlib.Path:
+    """Grouped bars of `metrics` per motion and checkpoint, one panel each (error bars: std over seeds)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     motions = list(dict.fromkeys(r["motion"] for r in rows))
-    fig, axes = plt.subplots(2, 1, figsize=(min(40.0, max(6.0, 0.9 * len(motions) * len(labels))), 7), sharex=True)
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(min(40.0, max(6.0, 0.9 * len(motions) * len(labels))), 7),
+                             sharex=True)
     x = np.arange(len(motions))
     width = 0.8 / len(labels)
     by = group(rows, "label", "setting", "motion")
-    for ax, metric in zip(axes, ("g_mpjpe_mm", "mpjpe_mm")):
+    for ax, metric in zip(axes, metrics):
         for i, label in enumerate(labels):
             stats = [seed_stats(by.get((label, setting.name, m), []), metric) for m in motions]
             ax.bar(x + (i - (len(labels) - 1) / 2) * width, [s[0] for s in stats], width,
                    yerr=[s[1] for s in stats], label=label, capsize=2)
-        ax.set_ylabel(metric.replace("_mm", " (mm)").replace("_", "-"))
+        ax.set_ylabel(_axis_label(metric))
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_title(f"Per-motion tracking error: {setting.title}")
+    axes[0].set_title(f"Per-{what} tracking: {setting.title}")
     axes[0].legend()
-    axes[1].set_xticks(x, motions, rotation=30, ha="right")
+    axes[-1].set_xticks(x, motions, rotation=30, ha="right")
     fig.tight_layout()
     out = write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
     plt.close(fig)
     return out
 
 
-def plot_success(rows: list[dict], labels: list[str], settings: list["Setting"], path) -> pathlib.Path:
-    """Grouped bars of the success rate per setting and checkpoint (error bars: std over seeds)."""
+def plot_rate(rows: list[dict], labels: list[str], settings: list["Setting"], path,
+              metric: str = "success") -> pathlib.Path:
+    """Grouped bars of a rate (success or falls, %) per setting and checkpoint (error bars: std over seeds)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -456,11 +532,11 @@ def plot_success(rows: list[dict], labels: list[str], settings: list["Setting"],
     width = 0.8 / len(labels)
     by = group(rows, "label", "setting")
     for i, label in enumerate(labels):
-        stats = [seed_stats(by.get((label, s.name), []), "success") for s in settings]
+        stats = [seed_stats(by.get((label, s.name), []), metric) for s in settings]
         ax.bar(x + (i - (len(labels) - 1) / 2) * width, [s[0] for s in stats], width, yerr=[s[1] for s in stats],
                label=label, capsize=2)
     ax.set_xticks(x, [s.title for s in settings], rotation=20, ha="right")
-    ax.set_ylabel("strict success (%)")
+    ax.set_ylabel(_axis_label(metric))
     ax.set_ylim(0, 105)
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
@@ -511,7 +587,7 @@ def parse_setting(token: str, train_sim: str) -> Setting:
 
 def resolve_motions(motions: str, packet_dir: str) -> list[pathlib.Path]:
     """'' -> the test split: the packets of ssjr.TEST_CLIPS (<clip>.npz or its segments <clip>_segNN.npz) under
-    packet_dir; else a packet folder (every *.npz in it), a packet file or a human keypoint file."""
+    packet_dir; else a folder (every *.npz in it: SSJR packets and/or human keypoint commands) or one such file."""
     if motions:
         path = pathlib.Path(motions)
         if path.is_dir():
@@ -533,6 +609,19 @@ def resolve_motions(motions: str, packet_dir: str) -> list[pathlib.Path]:
 def motion_name(clip: str) -> str:
     """The source motion of a packet: its name without the _segNN suffix of a 2-10 s segment."""
     return re.sub(r"_seg\d+$", "", clip)
+
+
+def motion_kind(path: pathlib.Path) -> str:
+    """ROBOT (an SSJR packet) or HUMAN_KEYPOINTS (a keypoint command): the file's `kind` (absent = robot, as in
+    ssjr.load_packet); reads that one field only."""
+    try:
+        with np.load(path) as z:
+            kind = str(z["kind"]) if "kind" in z.files else ROBOT
+    except Exception as e:  # not an npz: say which file
+        raise ValueError(f"{path}: not a readable motion file ({type(e).__name__}: {e})") from e
+    if kind not in (ROBOT, HUMAN_KEYPOINTS):
+        raise ValueError(f"{path}: unknown motion kind {kind!r}, expected {ROBOT!r} or {HUMAN_KEYPOINTS!r}")
+    return kind
 
 
 CKPT_KEYS = ("kind", "env_cfg", "obs_layout", "model")
@@ -572,7 +661,8 @@ def check_obs_layout(env_layout: dict, ckpt_layout: dict, path) -> None:
 
 def build_env(ckpt: dict, path, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
               seed: int):
-    """make_env with the checkpoint's env_cfg, overridden by the setting, the motions and frame-0 starts."""
+    """make_env with the checkpoint's env_cfg (teacher.env_kwargs: sim, motions, terrain, dr = 'default' | None),
+    overridden by the setting (sim, dr, terrain), the evaluated motions and frame-0 starts of every clip."""
     cfg = dict(ckpt["env_cfg"])
     cfg.update(sim=setting.sim, num_envs=num_envs, device=device, motions=[str(p) for p in motion_paths],
                dr=envs.DR() if setting.dr else None, terrain=setting.terrain, seed=seed, start="frame0",
@@ -581,6 +671,18 @@ def build_env(ckpt: dict, path, setting: Setting, motion_paths: list[pathlib.Pat
     if unknown:
         raise ValueError(f"{path}: env_cfg has keys envs.make_env does not take: {sorted(unknown)}")
     return envs.make_env(**cfg)
+
+
+@contextlib.contextmanager
+def opened_env(ckpt: dict, path, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
+               seed: int):
+    """build_env for a with-block that always closes the env (env.close()), also on an error: Isaac Lab allows one
+    live env per process, so the next setting's env can only be built after this one is closed."""
+    env = build_env(ckpt, path, setting, motion_paths, num_envs, device, seed)
+    try:
+        yield env
+    finally:
+        env.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -606,10 +708,10 @@ def episode_plan(num_envs: int, num_clips: int, episodes_per_clip: int) -> list[
 
 
 def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]], max_steps: int = 0):
-    """Roll `policy` in `env` (made with start='frame0'; `obs` from its first env.reset(), a second reset would skip
-    clips) and yield each planned episode as a dict: clip, episode,
-    steps, RECORDED arrays [T,...] (numpy), env_max_body_err_m [T], failed, time_out, nan, truncated, pushed
-    (1/0, NaN when the env does not report pushes) and psi (the episode's dynamics)."""
+    """Roll `policy` in `env` (made with start='frame0'; `obs` from its first reset or env.reseed(seed), a second
+    reset would skip clips) and yield each planned episode as a dict: clip, episode, steps, RECORDED arrays [T,...]
+    (numpy), env_max_body_err_m and env_keypoint_err_m [T] (the env's own metrics), failed, time_out, nan, truncated,
+    pushes (how many steps of the episode applied a push, info["pushed"]) and psi (the episode's dynamics)."""
     n = env.num_envs
     if len(plan) != n:
         raise ValueError(f"plan is for {len(plan)} envs, env has {n}")
@@ -620,17 +722,16 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]
     def record(i: int, end: int, truncated: bool, info: dict) -> dict:
         clip, episode = plan[i][k[i]]
         window = steps[start[i] - base:end - base]
-        col = lambda key: torch.stack([s[key][i] for s in window])
+        col = lambda key: torch.stack([s[key][i] for s in window])  # noqa: E731
         clips = col("clip")
         if not bool((clips == clip).all()):
             raise RuntimeError(f"env {i} played clip(s) {clips.unique().tolist()} where the frame0 schedule "
                                f"says clip {clip}: evaluate.py needs make_env(start='frame0') (clips i, i+N, ...)")
         rec = {"clip": clip, "episode": episode, "steps": len(window), "truncated": truncated,
                "failed": bool(window[-1]["failed"][i]), "time_out": bool(window[-1]["time_out"][i]),
-               "nan": bool(window[-1]["nan"][i]),
-               "pushed": float(col("pushed").any()) if "pushed" in window[-1] else math.nan,
+               "nan": bool(window[-1]["nan"][i]), "pushes": int(col("pushed").sum()),
                "psi": {key: float(v[i]) for key, v in info["psi"].items()},
-               "env_max_body_err_m": col("max_body_err_m").numpy()}
+               "env_max_body_err_m": col("max_body_err_m").numpy(), "env_keypoint_err_m": col("keypoint_err_m").numpy()}
         rec.update({key: col(key).numpy() for key in RECORDED})
         return rec
 
@@ -641,13 +742,12 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]
                 if k[i] < len(plan[i]) and plan[i][k[i]] is not None and step > start[i]:
                     yield record(i, step, True, info)
             return
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: the env keeps the actions in its state, and reseed writes there
             obs, _, done, info = env.step(policy.act(obs))
         entry = {key: getattr(env, key).detach().to("cpu", torch.float32).clone() for key in RECORDED}
         entry.update(clip=info["clip"].cpu(), failed=info["failed"].cpu(), time_out=info["time_out"].cpu(),
-                     nan=info["nan"].cpu(), max_body_err_m=info["metrics"]["max_body_err_m"].float().cpu())
-        if "pushed" in info:
-            entry["pushed"] = info["pushed"].cpu()
+                     nan=info["nan"].cpu(), pushed=info["pushed"].cpu(),
+                     **{key: info["metrics"][key].float().cpu() for key in ("max_body_err_m", "keypoint_err_m")})
         steps.append(entry)
         step += 1
         for i in done.nonzero().flatten().tolist():
@@ -661,14 +761,18 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]
         base = keep_from
 
 
-def check_env_metrics(rec: dict, metrics: dict, tol_m: float = 1e-3) -> str:
-    """'' if this file's GTE_t agrees with the env's own max_body_err_m at every step, else a description (a
-    disagreement means the recorded states are not the ones the env terminated on)."""
-    diff = np.abs(np.asarray(rec["env_max_body_err_m"], np.float64) - gte_m(
-        torch.as_tensor(rec["body_pos_w"], dtype=torch.float64),
-        torch.as_tensor(rec["ref_body_pos_w"], dtype=torch.float64)).numpy())
-    return "" if not np.any(diff > tol_m) else (f"GTE_t differs from info['metrics']['max_body_err_m'] by up to "
-                                                  f"{np.nanmax(diff):.4f} m (max GTE {metrics['max_gte_m']:.3f} m)")
+def check_env_metrics(rec: dict, tol_m: float = 1e-3) -> str:
+    """'' if this file's GTE_t and keypoint error agree with the env's own info['metrics'] (max_body_err_m,
+    keypoint_err_m) at every step, else a description (a disagreement means the recorded states are not the ones the
+    env terminated on)."""
+    pos, ref_pos = (torch.as_tensor(np.asarray(rec[k]), dtype=torch.float64) for k in ("body_pos_w", "ref_body_pos_w"))
+    problems = []
+    for name, ours in (("max_body_err_m", gte_m(pos, ref_pos)), ("keypoint_err_m", keypoint_err_m(pos, ref_pos))):
+        diff = np.abs(np.asarray(rec[f"env_{name}"], np.float64) - ours.numpy())
+        if np.any(diff > tol_m):
+            problems.append(f"{name} differs from info['metrics']['{name}'] by up to {np.nanmax(diff):.4f} m "
+                            f"(largest value here {float(ours.max()):.3f} m)")
+    return "; ".join(problems)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -696,43 +800,56 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
     report = report_markdown(rows, labels, settings, alpha)
     write_text_atomic(out / "table.md", report)
     write_text_atomic(out / "episodes.csv", csv_text(rows))
-    by = group(rows, "label", "setting")
+    by = group(rows, "label", "setting", "command")
+    commands = [c for c in (ROBOT, HUMAN_KEYPOINTS) if any(r["command"] == c for r in rows)]
     summary = {"labels": labels, "settings": [dataclasses.asdict(s) for s in settings],
                "clips": list(dict.fromkeys(r["clip"] for r in rows)),
                "reward_c": REWARD_C, "success_threshold_m": SUCCESS_THRESHOLD_M, "alpha": alpha,
                "results": {label: {s.name: {m: dict(zip(("mean", "std", "n_seeds"),
-                                                          seed_stats(by.get((label, s.name), []), m)))
-                                            for m in METRICS} for s in settings} for label in labels},
+                                                          seed_stats(by.get((label, s.name, ROBOT), []), m)))
+                                            for m in ALL_METRICS} for s in settings} for label in labels},
+               "results_keypoint_commands": {label: {s.name: {m: dict(zip(("mean", "std", "n_seeds"), seed_stats(
+                   by.get((label, s.name, HUMAN_KEYPOINTS), []), m))) for m in KEYPOINT_METRICS} for s in settings}
+                   for label in labels},
                "ttests": ttest_rows(rows, labels, [s.name for s in settings], alpha) if len(labels) > 1 else []}
     write_text_atomic(out / "summary.json", json.dumps(finite_or_none(summary), indent=1, allow_nan=False))
-    plot_success(rows, labels, settings, out / "plots" / "success_vs_setting.png")
-    for s in settings:
-        plot_per_motion(rows, labels, s, out / "plots" / f"per_motion_{s.name.replace('@', '_')}.png")
+    for command in commands:
+        sel = [r for r in rows if r["command"] == command]
+        if command == ROBOT:
+            plot_rate(sel, labels, settings, out / "plots" / "success_vs_setting.png")
+        else:
+            plot_rate(sel, labels, settings, out / "plots" / "keypoint_commands_falls_vs_setting.png", "fell")
+        for s in settings:
+            name = s.name.replace("@", "_")
+            if command == ROBOT:
+                plot_per_motion(sel, labels, s, out / "plots" / f"per_motion_{name}.png")
+            else:
+                plot_per_motion(sel, labels, s, out / "plots" / f"per_command_{name}.png", KEYPOINT_METRICS, "command")
     print(report)
     return summary
 
 
-def evaluate_setting(policy, ckpt: dict, path, label: str, setting: Setting, seed: int,
-                     motion_paths: list[pathlib.Path], plan, max_steps: int = 0, device: str = "cpu"):
-    """Build the env of one (checkpoint, setting, seed), roll the policy and yield (CSV row, recorded episode)."""
-    clips = [p.stem for p in motion_paths]
-    env = build_env(ckpt, path, setting, motion_paths, len(plan), device, seed)
-    obs = env.reset()
+def evaluate_seed(env, policy, ckpt: dict, path, label: str, setting: Setting, seed: int, clips: list[str],
+                  kinds: list[str], plan, max_steps: int = 0):
+    """Restart the setting's env with `seed` (env.reseed), roll the policy and yield (CSV row, recorded episode).
+    clips, kinds: name and motion_kind of each motion file, in the env's clip order."""
+    obs = env.reseed(seed)
     check_obs_layout(env.obs_layout, ckpt["obs_layout"], path)
     warned = False
     for rec in run_episodes(env, obs, policy, plan, max_steps):
-        metrics = episode_metrics(rec)
-        problem = check_env_metrics(rec, metrics)
+        command = kinds[rec["clip"]]
+        metrics = episode_metrics(rec, command=command)
+        problem = check_env_metrics(rec)
         if problem and not warned:
             warned = True
             warnings.warn(f"{label} {setting.name} seed {seed}: {problem}")
         clip = clips[rec["clip"]]
         row = {"label": label, "ckpt": str(path), "kind": ckpt["kind"], "setting": setting.name, "sim": setting.sim,
-               "dr": int(setting.dr), "terrain": setting.terrain, "seed": seed, "motion": motion_name(clip),
-               "clip": clip, "episode": rec["episode"], "steps": rec["steps"],
-               "duration_s": rec["steps"] * envs.CONTROL_DT_S, **metrics, "env_failed": int(rec["failed"]),
+               "dr": int(setting.dr), "terrain": setting.terrain, "seed": seed, "command": command,
+               "motion": motion_name(clip), "clip": clip, "episode": rec["episode"], "steps": rec["steps"],
+               "duration_s": rec["steps"] * envs.CONTROL_DT_S, **metrics, "fell": float(rec["failed"]),
                "time_out": int(rec["time_out"]), "nan": int(rec["nan"]), "truncated": int(rec["truncated"]),
-               "pushed": rec["pushed"], **{f"psi_{k}": v for k, v in rec["psi"].items()}}
+               "pushes": rec["pushes"], **{f"psi_{k}": v for k, v in rec["psi"].items()}}
         yield row, rec
 
 
@@ -743,11 +860,14 @@ def main(args: Args) -> dict:
     labels = list(args.labels) or default_labels(list(args.ckpt))
     if len(labels) != len(args.ckpt) or len(set(labels)) != len(labels):
         raise ValueError(f"--labels needs one distinct name per checkpoint: {labels} for {list(args.ckpt)}")
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds):
+        raise ValueError(f"--seeds needs one or more distinct seeds: {list(args.seeds)}")
     ckpts = [read_checkpoint(p) for p in args.ckpt]  # fail on a bad file before any simulation
     train_sim = ckpts[0]["env_cfg"].get("sim")
     settings = [parse_setting(t, train_sim) for t in args.settings]
     motion_paths = resolve_motions(args.motions, args.packet_dir)
     clips = [p.stem for p in motion_paths]
+    kinds = [motion_kind(p) for p in motion_paths]
     unknown = set(args.video_clips) - set(clips) - {motion_name(c) for c in clips}
     if unknown:
         raise ValueError(f"--video-clips {sorted(unknown)} not among the evaluated clips {clips}")
@@ -758,17 +878,19 @@ def main(args: Args) -> dict:
     for path, label in zip(args.ckpt, labels):
         policy, ckpt = load_policy(path, args.device)
         for setting in settings:
-            for seed in args.seeds:
-                bar.set_description(f"{label} | {setting.name} | seed {seed}")
-                for row, rec in evaluate_setting(policy, ckpt, path, label, setting, seed, motion_paths, plan,
-                                                 args.max_steps, args.device):
-                    rows.append(row)
-                    if ({row["clip"], row["motion"]} & set(args.video_clips) and setting.name == video_setting
-                            and seed == args.seeds[0] and row["episode"] == 0):
-                        name = f"{label}_{setting.name}_{row['clip']}.mp4".replace(" ", "_").replace("@", "_")
-                        write_video(rec, pathlib.Path(args.out_dir) / "videos" / name,
-                                    title=f"{label} | {setting.title} | {row['clip']} | seed {seed}")
-                    bar.update(1)
+            bar.set_description(f"{label} | {setting.name} | building the env")
+            with opened_env(ckpt, path, setting, motion_paths, len(plan), args.device, args.seeds[0]) as env:
+                for seed in args.seeds:
+                    bar.set_description(f"{label} | {setting.name} | seed {seed}")
+                    for row, rec in evaluate_seed(env, policy, ckpt, path, label, setting, seed, clips, kinds, plan,
+                                                  args.max_steps):
+                        rows.append(row)
+                        if ({row["clip"], row["motion"]} & set(args.video_clips) and setting.name == video_setting
+                                and seed == args.seeds[0] and row["episode"] == 0):
+                            name = f"{label}_{setting.name}_{row['clip']}.mp4".replace(" ", "_").replace("@", "_")
+                            write_video(rec, pathlib.Path(args.out_dir) / "videos" / name,
+                                        title=f"{label} | {setting.title} | {row['clip']} | seed {seed}")
+                        bar.update(1)
     bar.close()
     order = {"label": labels, "setting": [s.name for s in settings], "clip": clips}
     rows.sort(key=lambda r: (order["label"].index(r["label"]), order["setting"].index(r["setting"]), r["seed"],

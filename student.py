@@ -34,7 +34,8 @@ Choices where the paper is silent:
   student_keypoints (0.01 m: the command is expressed relative to an estimated root pose). --noise-scale scales all.
 - The env: the teacher checkpoint fixes it (make_env kwargs: observation layout, gains, DR, terrain). The student trains
   on the teacher's engine unless --sim says otherwise, on the teacher's motions unless --motions says otherwise; the
-  teacher's observation layout must equal the env's (ValueError naming the file otherwise).
+  observations the teacher's actor reads must have the layout it was trained on (ValueError naming the file
+  otherwise; its critic's observation may differ, it plays no part here).
 """
 from __future__ import annotations
 
@@ -145,6 +146,8 @@ PRESETS = {
 }
 # The deployable inputs, in the order of the ONNX graph's inputs.
 STUDENT_OBS = ("student_proprio", "student_keypoints", "terrain", "history", "history_mask")
+# What the teacher's actor reads to label a state (its critic's observation plays no part in distillation).
+TEACHER_ACTOR_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask")
 
 
 class StudentPolicy(nn.Module):
@@ -276,7 +279,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     env = env if env is not None else build_env(env_cfg, args.num_envs, args.device, args.seed)
     obs = env.reset()
     layout = env.obs_layout
-    check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, teacher.TEACHER_OBS)
+    check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
     policy = StudentPolicy(layout, args).to(device)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=1e-5)
     global_step, iteration = 0, 0
@@ -361,6 +364,8 @@ def train(args: Args, env=None) -> pathlib.Path:
                    "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1]}
         for k, v in scalars.items():
             writer.add_scalar(k, v, global_step)
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
         eta_min = (num_iterations - iteration) * n * T / max(sps, 1e-6) / 60
         print(f"it {iteration}/{num_iterations} step {global_step:,} | {sps:,.0f} env-steps/s | action mse "
               f"{scalars['charts/action_mse']:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | success "
@@ -371,8 +376,28 @@ def train(args: Args, env=None) -> pathlib.Path:
     checkpoint()
     writer.close()
     signal.signal(signal.SIGINT, previous_handler)
-    print(f"saved {ckpt_path}")
+    if (run_dir / "metrics.jsonl").exists():  # at least one iteration logged
+        plot_distillation_curve(run_dir)
+    print(f"saved {ckpt_path} (curve: {run_dir / 'distillation_curve.png'})")
     return ckpt_path
+
+
+def plot_distillation_curve(run_dir):
+    """Action MSE to the teacher, success rate and g-mpjpe of the student's rollouts vs env-steps ->
+    run_dir/distillation_curve.png (from metrics.jsonl, see teacher.read_log)."""
+    from matplotlib.figure import Figure
+    log = teacher.read_log(run_dir)
+    fig = Figure(figsize=(9, 3.2))
+    for i, (key, label) in enumerate([("charts/action_mse", "action MSE to the teacher (rad^2)"),
+                                      ("charts/success_rate", "success rate (episodes reaching the clip end)"),
+                                      ("charts/gt_err_mm", "g-mpjpe (mm)")]):
+        ax = fig.add_subplot(1, 3, i + 1)
+        ax.plot(log["global_step"], log[key])
+        ax.set(xlabel="env steps", title=label, yscale="log" if i == 0 else "linear")
+        ax.title.set_fontsize(8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(pathlib.Path(run_dir) / "distillation_curve.png", dpi=110)
 
 
 # --- export: the deployable artefact ---------------------------------------------------------------------------------
@@ -461,18 +486,11 @@ class Play:
     """intra-op CPU threads of torch"""
 
 
-def keypoint_err_m(env, info) -> torch.Tensor:
-    """Mean world distance of the robot's SSJR keypoint bodies to the commanded keypoints [N]: the env's own metric
-    when it reports one (human keypoint commands), else from the reference bodies of a robot packet."""
-    if "keypoint_err_m" in info["metrics"]:
-        return info["metrics"]["keypoint_err_m"]
-    ids = list(ssjr.KEYPOINT_BODY_IDS)
-    return (env.body_pos_w[:, ids] - env.ref_body_pos_w[:, ids]).norm(dim=-1).mean(-1)
-
-
 def rollout_episodes(env, policy) -> list[dict]:
     """Run `policy` until every env has finished one episode (from reset); per env: steps, mean keypoint error, mean
-    g-mpjpe, fell (ended by the env's failure test before the clip end), success (reached the clip end)."""
+    g-mpjpe, failed (ended by the env's failure test: a fall or a body > 0.5 m off the command), success (reached the
+    clip end). The keypoint error (info['metrics']['keypoint_err_m']: mean distance of the SSJR keypoint bodies to the
+    commanded keypoints) is the meaningful score of a human keypoint command, whose other bodies are filler."""
     n = env.num_envs
     obs = env.reset()
     kp_sum, gt_sum = torch.zeros(n), torch.zeros(n)
@@ -482,18 +500,18 @@ def rollout_episodes(env, policy) -> list[dict]:
         with torch.no_grad():  # not inference_mode: the env keeps tensors from this step in its state
             obs, _, done, info = env.step(policy.act(obs))
         live = torch.tensor([r is None for r in result])
-        kp_sum += torch.where(live, keypoint_err_m(env, info).cpu(), 0.0)
+        kp_sum += torch.where(live, info["metrics"]["keypoint_err_m"].cpu(), 0.0)
         gt_sum += torch.where(live, info["metrics"]["gt_err_m"].cpu(), 0.0)
         steps += live.long()
         for i in (done.cpu() & live).nonzero().flatten().tolist():
             result[i] = {"env": i, "clip": int(info["clip"][i]), "steps": int(steps[i]),
                          "keypoint_err_m": float(kp_sum[i] / steps[i]), "g_mpjpe_m": float(gt_sum[i] / steps[i]),
-                         "fell": bool(info["failed"][i]), "success": bool(info["time_out"][i])}
+                         "failed": bool(info["failed"][i]), "success": bool(info["time_out"][i])}
     return result
 
 
 def play(args: Play) -> list[dict]:
-    """Drive the student with a command file and report the keypoint tracking error and the falls."""
+    """Drive the student with a command file and report the keypoint tracking error and the failures (falls)."""
     torch.set_num_threads(args.torch_threads)
     policy, ckpt = load_policy(args.ckpt, args.device)
     overrides = dict(motions=args.motions, dr="default" if args.dr else None, terrain=args.terrain, start="frame0",
@@ -505,12 +523,12 @@ def play(args: Play) -> list[dict]:
     check_layout(args.ckpt, ckpt["obs_layout"], env.obs_layout, STUDENT_OBS)
     episodes = rollout_episodes(env, policy)
     names = env.motions.names
-    print(f"{'env':>4} {'command':<28}{'steps':>6}{'keypoint err mm':>17}{'g-mpjpe mm':>12}{'fell':>6}")
+    print(f"{'env':>4} {'command':<28}{'steps':>6}{'keypoint err mm':>17}{'failed':>8}")
     for e in episodes:
         print(f"{e['env']:>4} {names[e['clip']]:<28}{e['steps']:>6}{1000 * e['keypoint_err_m']:>17.0f}"
-              f"{1000 * e['g_mpjpe_m']:>12.0f}{'yes' if e['fell'] else 'no':>6}")
-    print(f"keypoint error {1000 * np.mean([e['keypoint_err_m'] for e in episodes]):.0f} mm | falls "
-          f"{sum(e['fell'] for e in episodes)}/{len(episodes)}")
+              f"{'yes' if e['failed'] else 'no':>8}")
+    print(f"keypoint error {1000 * np.mean([e['keypoint_err_m'] for e in episodes]):.0f} mm | failures (falls) "
+          f"{sum(e['failed'] for e in episodes)}/{len(episodes)}")
     return episodes
 
 

@@ -79,6 +79,8 @@ class Args:
     """value loss weight"""
     max_grad_norm: float = 50.0
     """gradient clipping"""
+    desired_kl: float = 0.0
+    """> 0: adapt the actor lr after each minibatch to keep the approx-KL near this (rsl_rl schedule); 0: fixed lr"""
     log_std: float = -2.9
     """fixed log standard deviation of the Gaussian policy"""
     action_scale: float = 1.0
@@ -114,7 +116,7 @@ class Args:
 PRESETS = {
     "paper": Args(),
     "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=64, total_env_steps=200_000,
-                num_steps=24, minibatch_size=768, update_epochs=2, actor_lr=1e-4, critic_lr=3e-4, log_std=-2.0,
+                num_steps=24, minibatch_size=768, update_epochs=2, actor_lr=1e-4, desired_kl=0.01, critic_lr=3e-4, log_std=-2.0,
                 d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256, terrain_dim=64, critic_dim=256,
                 hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=1),
 }
@@ -426,6 +428,12 @@ def main(args: Args):
                                                                   b_adv[mb], b_returns[mb], args.clip_coef)
                 approx_kls.append(approx_kl)
                 clipfracs.append(clipfrac)
+                if args.desired_kl > 0:  # adaptive step size: shrink when the policy moved too far, grow when timid
+                    for group in actor_opt.param_groups:
+                        if approx_kl > 2.0 * args.desired_kl:
+                            group["lr"] = max(group["lr"] / 1.5, 1e-6)
+                        elif approx_kl < 0.5 * args.desired_kl:
+                            group["lr"] = min(group["lr"] * 1.5, 1e-3)
                 loss = pg_loss + args.vf_coef * v_loss
                 actor_opt.zero_grad()
                 critic_opt.zero_grad()
@@ -447,7 +455,7 @@ def main(args: Args):
                    "charts/gt_err_mm": 1000 * mean(stats["gt_err_m"]), "charts/mpjpe_mm": 1000 * mean(stats["mpjpe_m"]),
                    "charts/SPS": sps, "charts/sim_time_fraction": sim_time / elapsed, "charts/nan_resets": env.nan_resets,
                    "losses/policy_loss": pg_loss.item(), "losses/value_loss": v_loss.item(),
-                   "losses/approx_kl": mean(approx_kls), "losses/clipfrac": mean(clipfracs),
+                   "losses/approx_kl": mean(approx_kls), "losses/actor_lr": actor_opt.param_groups[0]["lr"], "losses/clipfrac": mean(clipfracs),
                    "losses/explained_variance": (1 - (b_returns - b_values).var() / b_returns.var()).item()}
         scalars.update({f"rewards/{k}": mean(v) for k, v in stats["terms"].items()})
         scalars.update({f"dr/{k}": v.float().mean().item() for k, v in env.psi.items()})

@@ -3,6 +3,7 @@ loop (on a scripted fake env) and, marked slow, a real short evaluation on both 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import pathlib
@@ -263,7 +264,9 @@ def test_episode_plan_keeps_each_clip_exactly_episodes_times(n, clips, eps):
 
 
 def fake_rows(labels=("HoRD", "w/o HCDR"), settings=("isaaclab", "genesis+dr"), seeds=(0, 1),
-              clips=("a_seg00", "a_seg01", "b"), episodes=2):
+              clips=("a_seg00", "a_seg01", "b"), episodes=2, command=ev.ROBOT):
+    """Episode rows as evaluate_seed makes them: the ablation (second label) fails (falls in) every episode 1 and
+    has 300 mm more error; with +dr episode 1 is the pushed one."""
     rng = np.random.default_rng(1)
     rows = []
     for li, label in enumerate(labels):
@@ -272,12 +275,15 @@ def fake_rows(labels=("HoRD", "w/o HCDR"), settings=("isaaclab", "genesis+dr"), 
                 for clip in clips:
                     for e in range(episodes):
                         g = 100.0 + 300.0 * li + 10 * seed + rng.normal()
-                        rows.append({"label": label, "setting": setting, "seed": seed, "motion": clip[0],
-                                     "clip": clip, "episode": e,
-                                     "success": float(li == 0 or e == 0), "g_mpjpe_mm": g, "mpjpe_mm": g / 2,
-                                     "gr_err_rad": 0.1, "gr_err_deg": math.degrees(0.1), "dv_rew": 0.9,
-                                     "kb_rew": 0.8, "lr_rew": 0.7, "rv_rew": 0.6, "rav_rew": 0.5,
-                                     "pushed": float(e == 1) if "dr" in setting else math.nan})
+                        full = {"success": float(li == 0 or e == 0), "g_mpjpe_mm": g, "mpjpe_mm": g / 2,
+                                "gr_err_rad": 0.1, "gr_err_deg": math.degrees(0.1), "dv_rew": 0.9, "kb_rew": 0.8,
+                                "lr_rew": 0.7, "rv_rew": 0.6, "rav_rew": 0.5}
+                        if command == ev.HUMAN_KEYPOINTS:
+                            full = dict.fromkeys(full, math.nan)
+                        rows.append({"label": label, "setting": setting, "seed": seed, "command": command,
+                                     "motion": clip[0], "clip": clip, "episode": e, **full,
+                                     "keypoint_err_mm": g / 3, "fell": float(li == 1 and e == 1),
+                                     "pushes": int(e == 1 and "dr" in setting)})
     return rows
 
 
@@ -313,19 +319,56 @@ def test_report_csv_and_files(tmp_path):
                   "## Per motion: IsaacLab (ID)", "## Paired t-tests"):
         assert title in report
     push = report.split("## Push recovery")[1].split("##")[0]
-    assert "| HoRD | 100.0 ± 0.0 [6] |" in push  # pushed = episode 1 of 3 clips x 2 seeds
-    assert "| w/o HCDR | 0.0 ± 0.0 [6] |" in push  # the ablation fails exactly its pushed episodes
+    assert "| HoRD | 100.0 ± 0.0 [6/12] |" in push  # pushed = episode 1 of 3 clips x 2 seeds
+    assert "| w/o HCDR | 0.0 ± 0.0 [6/12] |" in push  # the ablation fails exactly its pushed episodes
     assert "2 motions (3 clips), 2 seed(s), 12 episodes" in report
+    assert "Human keypoint commands" not in report
+    all_metrics = report.split("## All metrics: Genesis+DR (OOD)")[1].split("##")[0]
+    assert "| keypoint_err_mm ↓ |" in all_metrics and "| fell (%) ↓ | 0.0 ± 0.0 | 50.0 ± 0.0 |" in all_metrics
     per_motion = report.split("## Per motion: IsaacLab (ID)")[1].split("##")[0]
     assert [line.split("|")[1].strip() for line in per_motion.strip().splitlines()[2:]] == ["a", "b"]
     lines = (tmp_path / "episodes.csv").read_text().splitlines()
-    assert len(lines) == 1 + len(rows) and lines[0].startswith("label,setting,seed,motion,clip,episode,success")
+    assert len(lines) == 1 + len(rows) and lines[0].startswith("label,setting,seed,command,motion,clip,episode,success")
     assert json.loads((tmp_path / "summary.json").read_text())["results"]["HoRD"]["isaaclab"]["success"]["mean"] == 100
     assert summary["ttests"] and all(t["reference"] == "HoRD" for t in summary["ttests"])
     plots = {p.name for p in (tmp_path / "plots").iterdir()}
     assert plots == {"per_motion_genesis.png", "per_motion_genesis+dr.png", "per_motion_genesis_rough_slope.png",
                      "per_motion_isaaclab.png", "success_vs_setting.png"}
     assert not [p for p in tmp_path.rglob(".tmp-*")]
+
+
+def test_keypoint_command_report_shows_keypoint_error_and_falls_only(tmp_path):
+    rows = fake_rows(settings=("genesis", "genesis+dr"), clips=("131_01_seg00", "131_02_seg00"),
+                     command=ev.HUMAN_KEYPOINTS)
+    labels = ["HoRD", "w/o HCDR"]
+    settings = [ev.parse_setting(s, "isaaclab") for s in ("genesis", "genesis+dr")]
+    summary = ev.write_outputs(tmp_path, rows, labels, settings, 0.01)
+    report = (tmp_path / "table.md").read_text()
+    assert "## Table 1" not in report and "## All metrics" not in report and "## Per motion" not in report
+    section = report.split("## Human keypoint commands")[1].split("##")[0]
+    assert "instead of the full-body metrics" in section and "Genesis (OOD) keypoint err (mm)↓" in section
+    assert "| HoRD | 35 ± 2 | 0.0 ± 0.0 |" in section  # keypoint error: seed means ~33.3 and ~36.7 mm
+    assert "| w/o HCDR | 135 ± 3 * | 50.0 ± 0.0 |" in section  # +100 mm: p << 0.01; falls in every episode 1
+    push = report.split("## Push recovery: human keypoint commands")[1].split("##")[0]
+    assert "| w/o HCDR | 100.0 ± 0.0 [4/8] |" in push  # the ablation falls in every pushed episode
+    tests = report.split("## Paired t-tests")[1]
+    assert {line.split("|")[4].strip() for line in tests.strip().splitlines()[2:]} == {"keypoint_err_mm", "fell"}
+    assert summary["results_keypoint_commands"]["w/o HCDR"]["genesis"]["fell"]["mean"] == 50.0
+    assert summary["results"]["HoRD"]["genesis"]["g_mpjpe_mm"]["n_seeds"] == 0  # no robot-motion episodes
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {
+        "keypoint_commands_falls_vs_setting.png", "per_command_genesis.png", "per_command_genesis+dr.png"}
+
+
+def test_mixed_robot_and_keypoint_commands_are_reported_apart(tmp_path):
+    rows = fake_rows(settings=("isaaclab",)) + fake_rows(settings=("isaaclab",), clips=("c",),
+                                                         command=ev.HUMAN_KEYPOINTS)
+    report = ev.report_markdown(rows, ["HoRD", "w/o HCDR"], [ev.parse_setting("isaaclab", "isaaclab")], 0.01)
+    assert "Robot motions (SSJR packets): 2 motions (3 clips), 2 seed(s), 12 episodes" in report
+    assert "## Human keypoint commands\n\n1 motions (1 clips), 2 seed(s), 4 episodes" in report
+    per_motion = report.split("## Per motion: IsaacLab (ID)")[1].split("##")[0]
+    assert [line.split("|")[1].strip() for line in per_motion.strip().splitlines()[2:]] == ["a", "b"]
+    per_command = report.split("## Per command: IsaacLab (ID)")[1].split("##")[0]
+    assert [line.split("|")[1].strip() for line in per_command.strip().splitlines()[2:]] == ["c"]
 
 
 def test_atomic_write_leaves_old_file_on_failure(tmp_path):
@@ -368,22 +411,33 @@ def test_video_from_recorded_arrays(tmp_path, fk):
 # The rollout loop on a scripted env (same clip schedule and step API as envs.TrackingEnv with start='frame0')
 # ---------------------------------------------------------------------------------------------------------------------
 class ScriptedEnv:
-    """Clip c lasts lengths[c] steps; env i fails at step fail_at[(i, k)] of its k-th episode. Every body of env i is
-    0.1 * (clip + 1) m above its reference, so the recorded arrays identify the clip."""
+    """Clip c lasts lengths[c] steps; env i fails at step fail_at[(i, k)] of its k-th episode; every env is pushed at
+    step 2 of its episodes. Every body of env i is 0.1 * (clip + 1) m above its reference, so the recorded arrays
+    identify the clip. reseed/close as envs.TrackingEnv; raise_at_step: step() raises there (an engine error)."""
 
-    def __init__(self, num_envs, lengths, fail_at=None, pushes=True, skip_clip=False):
+    def __init__(self, num_envs, lengths, fail_at=None, skip_clip=False, raise_at_step=None):
         self.num_envs, self.lengths, self.fail_at = num_envs, lengths, fail_at or {}
-        self.pushes, self.skip_clip = pushes, skip_clip
+        self.skip_clip, self.raise_at_step = skip_clip, raise_at_step
         self.obs_layout = {"proprio": [5, 3]}
+        self.seeds, self.closed, self.steps = [], False, 0
 
-    def reset(self):
+    def reseed(self, seed):
+        self.seeds.append(seed)
         n = self.num_envs
         self.clip = torch.arange(n) % len(self.lengths)
         self.t = torch.zeros(n, dtype=torch.long)
         self.k = torch.zeros(n, dtype=torch.long)
         return {"proprio": torch.zeros(n, 5, 3)}
 
+    def close(self):
+        assert not self.closed, "closed twice"
+        self.closed = True
+
     def step(self, alpha):
+        assert not self.closed, "stepped after close()"
+        self.steps += 1
+        if self.steps == self.raise_at_step:
+            raise RuntimeError("engine exploded")
         n = self.num_envs
         self.t += 1
         lengths = torch.tensor(self.lengths)[self.clip]
@@ -393,11 +447,10 @@ class ScriptedEnv:
         self.ref_body_pos_w = torch.zeros(n, 30, 3)
         self.body_pos_w = self.ref_body_pos_w + 0.1 * (self.clip + 1).float()[:, None, None] * torch.tensor([0, 0, 1.])
         self.body_quat_w = self.ref_body_quat_w = torch.tensor([1.0, 0, 0, 0]).repeat(n, 30, 1)
+        err = 0.1 * (self.clip + 1).float()
         info = {"clip": self.clip.clone(), "failed": fail, "time_out": time_out, "nan": torch.zeros(n, dtype=bool),
-                "metrics": {"max_body_err_m": 0.1 * (self.clip + 1).float()},
+                "metrics": {"max_body_err_m": err, "keypoint_err_m": err}, "pushed": self.t == 2,
                 "psi": {"mass_scale": torch.full((n,), 1.05)}}
-        if self.pushes:
-            info["pushed"] = self.t == 2
         for i in done.nonzero().flatten().tolist():
             self.clip[i] = (self.clip[i] + n + int(self.skip_clip)) % len(self.lengths)
             self.t[i] = 0
@@ -414,7 +467,7 @@ def test_run_episodes_records_each_planned_episode():
     lengths = [5, 3, 7, 4]
     env = ScriptedEnv(3, lengths, fail_at={(0, 0): 2, (1, 1): 1})
     plan = ev.episode_plan(3, len(lengths), 2)
-    recs = list(ev.run_episodes(env, env.reset(), ZeroPolicy(), plan))
+    recs = list(ev.run_episodes(env, env.reseed(0), ZeroPolicy(), plan))
     assert sorted((r["clip"], r["episode"]) for r in recs) == [(c, e) for c in range(4) for e in range(2)]
     for r in recs:
         failed_here = any(plan[i][k] == (r["clip"], r["episode"]) for (i, k) in ((0, 0), (1, 1)))
@@ -425,50 +478,164 @@ def test_run_episodes_records_each_planned_episode():
         assert r["body_pos_w"].shape == (r["steps"], 30, 3) and r["ref_body_quat_w"].shape == (r["steps"], 30, 4)
         np.testing.assert_allclose(r["body_pos_w"][..., 2], 0.1 * (r["clip"] + 1), rtol=1e-6)
         assert r["psi"] == {"mass_scale": pytest.approx(1.05)} and not r["truncated"]
-        assert r["pushed"] == float(r["steps"] >= 2)
-        assert ev.check_env_metrics(r, ev.episode_metrics(r)) == ""
+        assert r["pushes"] == int(r["steps"] >= 2)  # pushed at step 2 of an episode, if it lasts that long
+        assert ev.check_env_metrics(r) == ""
     assert {r["steps"] for r in recs if r["failed"]} <= set(expected_steps.values())
 
 
 def test_run_episodes_truncates_at_max_steps_and_checks_the_schedule():
-    env = ScriptedEnv(2, [10, 10, 10], pushes=False)
-    recs = list(ev.run_episodes(env, env.reset(), ZeroPolicy(), ev.episode_plan(2, 3, 1), max_steps=4))
+    env = ScriptedEnv(2, [10, 10, 10])
+    recs = list(ev.run_episodes(env, env.reseed(0), ZeroPolicy(), ev.episode_plan(2, 3, 1), max_steps=4))
     assert sorted(r["clip"] for r in recs) == [0, 1] and all(r["truncated"] and r["steps"] == 4 for r in recs)
-    assert all(math.isnan(r["pushed"]) for r in recs)
+    assert all(r["pushes"] == 1 for r in recs)
     env = ScriptedEnv(2, [2, 2, 2], skip_clip=True)
     with pytest.raises(RuntimeError, match="frame0"):
-        list(ev.run_episodes(env, env.reset(), ZeroPolicy(), ev.episode_plan(2, 3, 1)))
+        list(ev.run_episodes(env, env.reseed(0), ZeroPolicy(), ev.episode_plan(2, 3, 1)))
 
 
-def test_main_end_to_end_on_scripted_envs(tmp_path, monkeypatch):
-    """The whole command (checkpoints -> settings -> seeds -> episodes -> files) with the env and policy scripted."""
+def test_check_env_metrics_reports_a_disagreement():
+    env = ScriptedEnv(1, [3])
+    (r,) = ev.run_episodes(env, env.reseed(0), ZeroPolicy(), ev.episode_plan(1, 1, 1))
+    r["env_keypoint_err_m"] = r["env_keypoint_err_m"] + 0.01
+    assert ev.check_env_metrics(r).startswith("keypoint_err_m differs from info['metrics']['keypoint_err_m'] by up "
+                                              "to 0.0100 m")
+
+
+def test_keypoint_command_metrics():
+    pos = torch.zeros(4, 30, 3, dtype=torch.float64)
+    quat = torch.tensor([1.0, 0, 0, 0], dtype=torch.float64).repeat(4, 30, 1)
+    moved = pos.clone()
+    moved[:, list(ssjr.KEYPOINT_BODY_IDS), 0] += 0.05  # every keypoint body 5 cm off
+    moved[:, 1, 2] += 0.3  # a filler body (left_hip_pitch_link) far off: not a keypoint
+    assert 1 not in ssjr.KEYPOINT_BODY_IDS
+    robot = ev.episode_metrics(rec(moved, quat, pos, quat))
+    human = ev.episode_metrics(rec(moved, quat, pos, quat), command=ev.HUMAN_KEYPOINTS)
+    assert robot["keypoint_err_mm"] == human["keypoint_err_mm"] == pytest.approx(50.0)
+    assert robot["g_mpjpe_mm"] > 0 and all(math.isnan(human[m]) for m in ev.METRICS)
+    assert human["max_gte_m"] == pytest.approx(0.3)  # what the env terminates on, kept as a diagnostic
+    with pytest.raises(ValueError, match="unknown command kind"):
+        ev.episode_metrics(rec(pos, quat, pos, quat), command="smpl")
+
+
+def write_motion(path, kind=None):
+    """A stand-in motion file: evaluate.py only reads its 'kind' (the scripted env does not play it)."""
+    np.savez(path, fps=np.float32(30), **({} if kind is None else {"kind": np.array(kind)}))
+    return path
+
+
+def test_motion_kind(tmp_path):
+    assert ev.motion_kind(write_motion(tmp_path / "a.npz", "robot")) == ev.ROBOT
+    assert ev.motion_kind(write_motion(tmp_path / "b.npz")) == ev.ROBOT  # older packets have no kind
+    assert ev.motion_kind(write_motion(tmp_path / "c.npz", "human_keypoints")) == ev.HUMAN_KEYPOINTS
+    with pytest.raises(ValueError, match="d.npz: unknown motion kind 'smpl'"):
+        ev.motion_kind(write_motion(tmp_path / "d.npz", "smpl"))
+    (tmp_path / "e.npz").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="e.npz: not a readable motion file"):
+        ev.motion_kind(tmp_path / "e.npz")
+
+
+def test_build_env_uses_the_checkpoint_env_cfg_with_the_setting_overrides(monkeypatch):
+    made = {}
+
+    def make_env(**kw):
+        made.update(kw)
+        return "env"
+    make_env.__signature__ = inspect.signature(envs.make_env)  # build_env checks env_cfg's keys against it
+    monkeypatch.setattr(envs, "make_env", make_env)
+    ckpt = {"kind": "student", "env_cfg": {"sim": "isaaclab", "motions": "data/packets/g1_moves", "terrain": "mix",
+                                           "dr": "default"}}
+    for token, dr in (("zero_shot+dr@rough_slope", envs.DR()), ("in_domain", None)):
+        setting = ev.parse_setting(token, "isaaclab")
+        assert ev.build_env(ckpt, "s.pt", setting, [pathlib.Path("x.npz")], 3, "cpu", 7) == "env"
+        assert made == {"sim": setting.sim, "motions": ["x.npz"], "terrain": setting.terrain, "dr": dr,
+                        "num_envs": 3, "device": "cpu", "seed": 7, "start": "frame0", "exclude_test": False}
+    ckpt["env_cfg"]["gains"] = "soft"
+    with pytest.raises(ValueError, match=r"s.pt: env_cfg has keys envs.make_env does not take: \['gains'\]"):
+        ev.build_env(ckpt, "s.pt", setting, [], 3, "cpu", 7)
+
+
+def test_load_policy_dispatches_on_the_checkpoint_kind(tmp_path, monkeypatch):
+    import student
+    import teacher
+    calls = []
+    for module in (teacher, student):
+        monkeypatch.setattr(module, "load_policy", lambda path, device, m=module.__name__: calls.append(m) or m)
+    for kind in ("teacher", "student"):
+        torch.save({"kind": kind, "env_cfg": {}, "obs_layout": {}, "model": {}}, tmp_path / f"{kind}.pt")
+        assert ev.load_policy(tmp_path / f"{kind}.pt", "cpu") == kind
+    assert calls == ["teacher", "student"]
+
+
+def scripted_main(tmp_path, monkeypatch, fail_label="nohcdr", raise_at_step=None, kinds=None):
+    """Patch evaluate.py's env builder and policy loader with scripted ones; returns (Args, built envs)."""
     folder = tmp_path / "packets"
     folder.mkdir()
-    for clip in ("a_seg00", "a_seg01", "b"):
-        (folder / f"{clip}.npz").write_bytes(b"")
+    kinds = kinds or {"a_seg00": "robot", "a_seg01": "robot", "b": "robot"}
+    for clip, kind in kinds.items():
+        write_motion(folder / f"{clip}.npz", kind)
     paths = []
     for name in ("hord", "nohcdr"):
         paths.append(str(tmp_path / f"{name}.pt"))
         torch.save({"kind": "teacher", "env_cfg": {"sim": "isaaclab"}, "obs_layout": {"proprio": [5, 3]},
                     "model": {}}, paths[-1])
-    monkeypatch.setattr(ev, "build_env", lambda ckpt, path, setting, motions, n, device, seed: ScriptedEnv(
-        n, [4, 6, 5], fail_at={(0, 0): 2} if "nohcdr" in str(path) else None))
+    built = []
+
+    def build_env(ckpt, path, setting, motions, n, device, seed):
+        assert not built or built[-1].closed, "a second env was built before the first was closed"
+        built.append(ScriptedEnv(n, [4, 6, 5][:len(motions)], fail_at={(0, 0): 2} if fail_label in str(path)
+                                 else None, raise_at_step=raise_at_step))
+        built[-1].build_seed = seed
+        return built[-1]
+    monkeypatch.setattr(ev, "build_env", build_env)
     monkeypatch.setattr(ev, "load_policy", lambda path, device: (ZeroPolicy(), ev.read_checkpoint(path)))
+    args = ev.Args(ckpt=tuple(paths), labels=("HoRD", "HoRD w/o HCDR"), settings=("in_domain", "zero_shot+dr"),
+                   motions=str(folder), seeds=(3, 5), episodes=2, out_dir=str(tmp_path / "out"))
+    return args, built
+
+
+def test_main_end_to_end_on_scripted_envs(tmp_path, monkeypatch):
+    """The whole command (checkpoints -> settings -> seeds -> episodes -> files) with the env and policy scripted."""
     if not hasattr(ssjr, "render_motion"):
         pytest.skip("ssjr.render_motion not written yet")
-    args = ev.Args(ckpt=tuple(paths), labels=("HoRD", "HoRD w/o HCDR"), settings=("in_domain", "zero_shot+dr"),
-                   motions=str(folder), seeds=(0, 1), episodes=2, out_dir=str(tmp_path / "out"), video_clips=("b",))
-    summary = ev.main(args)
+    args, built = scripted_main(tmp_path, monkeypatch)
+    summary = ev.main(dataclasses.replace(args, video_clips=("b",)))
+    # one env per (checkpoint, setting), built with the first seed, reseeded for every seed, closed after
+    assert len(built) == 4 and all(e.closed and e.seeds == [3, 5] and e.build_seed == 3 for e in built)
     assert summary["labels"] == ["HoRD", "HoRD w/o HCDR"] and summary["clips"] == ["a_seg00", "a_seg01", "b"]
     assert [s["name"] for s in summary["settings"]] == ["isaaclab", "genesis+dr"]
     csv_lines = (tmp_path / "out" / "episodes.csv").read_text().splitlines()
     assert len(csv_lines) == 1 + 2 * 2 * 2 * 3 * 2  # header + ckpts x settings x seeds x clips x episodes
     # clip "a_seg00" episode 0 is the one env 0 fails at step 2 for the ablation; its body error is 0.1 m though,
-    # so the env's failure does not make it a strict-success failure: success is the metric, env_failed a column
+    # so the env's failure does not make it a strict-success failure: success is the metric, fell a column
     assert summary["results"]["HoRD w/o HCDR"]["isaaclab"]["success"]["mean"] == 100.0
+    assert summary["results"]["HoRD w/o HCDR"]["isaaclab"]["fell"]["mean"] == pytest.approx(100 / 6)
     assert (tmp_path / "out" / "videos" / "HoRD_isaaclab_b.mp4").stat().st_size > 0
     assert len(list((tmp_path / "out" / "videos").iterdir())) == 2  # first seed, episode 0, both checkpoints
-    assert "| HoRD w/o HCDR |" in (tmp_path / "out" / "table.md").read_text()
+    report = (tmp_path / "out" / "table.md").read_text()
+    assert "| HoRD w/o HCDR |" in report
+    assert "| HoRD | 100.0 ± 0.0 [12/12] |" in report.split("## Push recovery")[1]  # every episode lasts >= 2 steps
+
+
+def test_main_closes_the_env_when_a_rollout_fails(tmp_path, monkeypatch):
+    args, built = scripted_main(tmp_path, monkeypatch, raise_at_step=3)
+    with pytest.raises(RuntimeError, match="engine exploded"):
+        ev.main(args)
+    assert len(built) == 1 and built[0].closed
+
+
+def test_main_on_human_keypoint_commands(tmp_path, monkeypatch):
+    args, built = scripted_main(tmp_path, monkeypatch, kinds={"131_01_seg00": "human_keypoints", "a": "robot"})
+    summary = ev.main(args)
+    rows = (tmp_path / "out" / "episodes.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    commands = {r.split(",")[header.index("clip")]: r.split(",")[header.index("command")] for r in rows[1:]}
+    assert commands == {"131_01_seg00": "human_keypoints", "a": "robot"}
+    keypoint_rows = [r.split(",") for r in rows[1:] if "human_keypoints" in r]
+    assert all(r[header.index("g_mpjpe_mm")] == "nan" and float(r[header.index("keypoint_err_mm")]) == pytest.approx(100)
+               for r in keypoint_rows)  # 0.1 m off: clip 0 of the scripted env
+    assert summary["results_keypoint_commands"]["HoRD"]["isaaclab"]["keypoint_err_mm"]["mean"] == pytest.approx(100)
+    assert summary["results"]["HoRD"]["isaaclab"]["g_mpjpe_mm"]["mean"] == pytest.approx(200)  # clip 1: 0.2 m
+    assert "## Human keypoint commands" in (tmp_path / "out" / "table.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -482,6 +649,20 @@ def handsup_packets(tmp_path_factory):
     return sorted(out.glob("*.npz"))
 
 
+@pytest.fixture(scope="module")
+def keypoint_command(tmp_path_factory):
+    """A human keypoint command (CMU BVH 131_02, first segment) as `ssjr.py convert` writes it."""
+    out = tmp_path_factory.mktemp("keypoints")
+    ssjr.convert(ssjr.Convert(src=(ssjr.DATA_ROOT / "cmu_bvh" / "131_02.bvh",), out=out))
+    return out / "131_02_seg00.npz"
+
+
+def assert_no_live_isaaclab_sim():
+    """Every env evaluate.py builds is closed when it is done (Isaac Lab allows one per process)."""
+    import isaaclab.sim as sim_utils
+    assert sim_utils.SimulationContext.instance() is None
+
+
 class ReferencePolicy:
     """PD targets = the next reference joint angles: no learning, but a deterministic, meaningful actor."""
 
@@ -491,46 +672,87 @@ class ReferencePolicy:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sim", ["genesis", "isaaclab"])
-def test_real_rollout_metrics_on_both_engines(tmp_path, sim, handsup_packets):
+def test_real_rollout_metrics_on_both_engines(tmp_path, sim, handsup_packets, keypoint_command):
+    """One env for the setting, reseeded for seeds 0, 1 and 0 again; a robot clip and a human keypoint command."""
     ckpt = {"kind": "teacher", "env_cfg": {"sim": "isaaclab"}, "obs_layout": {"ref_dof_pos": [29]}}
     setting = ev.parse_setting(f"{sim}+dr", "isaaclab")
-    plan = ev.episode_plan(2, len(handsup_packets), 2)
-    out = list(ev.evaluate_setting(ReferencePolicy(), ckpt, "ref.pt", "reference", setting, 0, handsup_packets,
-                                   plan, max_steps=40))
-    assert sorted((row["clip"], row["episode"]) for row, _ in out) == [("B_HandsUp_seg00", 0), ("B_HandsUp_seg00", 1)]
-    for row, rec in out:
-        assert 1 <= row["steps"] <= 40 and row["truncated"] == int(row["steps"] == 40 and not row["env_failed"])
-        assert rec["body_pos_w"].shape == (row["steps"], 30, 3)
-        assert ev.check_env_metrics(rec, row) == ""  # the recorded states are the ones the env judged
-        assert row["success"] == float(not row["env_failed"])  # env terminates on the same 0.5 m rule
-        assert 0 <= row["g_mpjpe_mm"] < 600 and 0 <= row["mpjpe_mm"] <= row["g_mpjpe_mm"] + 200
-        assert all(0 < row[k] <= 1 for k in ("dv_rew", "kb_rew", "lr_rew", "rv_rew", "rav_rew"))
-    summary = ev.write_outputs(tmp_path, [row for row, _ in out], ["reference"], [setting], 0.01)
-    assert summary["results"]["reference"][setting.name]["success"]["n_seeds"] == 1
-    assert (tmp_path / "table.md").read_text().count("| reference |") >= 2
+    motions = [handsup_packets[0], keypoint_command]
+    clips, kinds = [p.stem for p in motions], [ev.motion_kind(p) for p in motions]
+    assert kinds == [ev.ROBOT, ev.HUMAN_KEYPOINTS]
+    plan = ev.episode_plan(2, len(motions), 1)
+    runs = []
+    with ev.opened_env(ckpt, "ref.pt", setting, motions, len(plan), "cpu", 0) as env:
+        for seed in (0, 1, 0):
+            runs.append(list(ev.evaluate_seed(env, ReferencePolicy(), ckpt, "ref.pt", "reference", setting, seed,
+                                              clips, kinds, plan, max_steps=40)))
+    if sim == "isaaclab":
+        assert_no_live_isaaclab_sim()
+    for out in runs:
+        assert sorted(row["clip"] for row, _ in out) == ["131_02_seg00", "B_HandsUp_seg00"]
+        for row, rec in out:
+            assert 1 <= row["steps"] <= 40 and row["truncated"] == int(row["steps"] == 40 and not row["fell"])
+            assert rec["body_pos_w"].shape == (row["steps"], 30, 3)
+            assert ev.check_env_metrics(rec) == ""  # the recorded states are the ones the env judged
+            assert 0 <= row["keypoint_err_mm"] < 500 and row["pushes"] == 0  # first push after >= 5 s
+            if row["command"] == ev.ROBOT:
+                assert row["success"] == 1.0 - row["fell"]  # env terminates on the same 0.5 m rule
+                assert 0 <= row["g_mpjpe_mm"] < 600 and 0 <= row["mpjpe_mm"] <= row["g_mpjpe_mm"] + 200
+                assert all(0 < row[k] <= 1 for k in ("dv_rew", "kb_rew", "lr_rew", "rv_rew", "rav_rew"))
+            else:
+                assert all(math.isnan(row[m]) for m in ev.METRICS)
+    # reseed(0) replays seed 0: same psi, same trajectories; seed 1 draws other dynamics
+    first, other, again = ({row["clip"]: (row, rec) for row, rec in out} for out in runs)
+    for clip, (row, rec) in first.items():
+        assert again[clip][0]["psi_mass_scale"] == row["psi_mass_scale"] != other[clip][0]["psi_mass_scale"]
+        assert again[clip][0]["steps"] == row["steps"]
+        np.testing.assert_allclose(again[clip][1]["body_pos_w"], rec["body_pos_w"], atol=1e-4)
+    rows = [row for out in runs[:2] for row, _ in out]
+    summary = ev.write_outputs(tmp_path, rows, ["reference"], [setting], 0.01)
+    assert summary["results"]["reference"][setting.name]["success"]["n_seeds"] == 2
+    assert summary["results_keypoint_commands"]["reference"][setting.name]["keypoint_err_mm"]["n_seeds"] == 2
+    report = (tmp_path / "table.md").read_text()
+    assert report.count("| reference |") >= 4 and "## Human keypoint commands" in report
 
 
 @pytest.fixture(scope="module")
-def tiny_teacher(tmp_path_factory, handsup_packets):
-    """An untrained teacher of the 'cpu' preset size, saved in teacher.py's checkpoint format (trained on isaaclab)."""
+def tiny_checkpoints(tmp_path_factory, handsup_packets):
+    """An untrained teacher and student of the 'cpu' preset sizes in teacher.py's / student.py's checkpoint format;
+    the teacher was 'trained' on isaaclab, the student's env_cfg is the teacher's (as student.py makes it)."""
+    import student
     import teacher
     args = dataclasses.replace(teacher.PRESETS["cpu"], sim="isaaclab", motions=str(handsup_packets[0].parent),
                                terrain="flat", num_envs=1)
     env = teacher.build_env(teacher.env_kwargs(args), 1, "cpu", 0, sim="genesis", exclude_test=False)  # layout only
-    env.reset()
-    path = tmp_path_factory.mktemp("ckpt") / "tiny_teacher.pt"
+    try:
+        env.reset()
+        layout = env.obs_layout
+    finally:
+        env.close()
+    folder = tmp_path_factory.mktemp("ckpt")
+    paths = folder / "tiny_teacher.pt", folder / "tiny_student.pt"
     torch.save({"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": teacher.env_kwargs(args),
-                "obs_layout": env.obs_layout, "model": teacher.Agent(env.obs_layout, args).state_dict()}, path)
-    return path
+                "obs_layout": layout, "model": teacher.Agent(layout, args).state_dict()}, paths[0])
+    student_args = dataclasses.replace(student.PRESETS["cpu"], teacher_ckpt=str(paths[0]))
+    torch.save({"kind": "student", "args": dataclasses.asdict(student_args), "env_cfg": teacher.env_kwargs(args),
+                "obs_layout": layout, "model": student.StudentPolicy(layout, student_args).state_dict()}, paths[1])
+    return paths
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sim", ["genesis", "isaaclab"])
-def test_main_with_a_tiny_teacher_checkpoint(tmp_path, sim, tiny_teacher, handsup_packets):
-    args = ev.Args(ckpt=(str(tiny_teacher),), settings=(sim,), motions=str(handsup_packets[0].parent), seeds=(0,),
-                   episodes=1, max_steps=25, out_dir=str(tmp_path), video_clips=("B_HandsUp",))
+def test_main_with_tiny_teacher_and_student_checkpoints(tmp_path, sim, tiny_checkpoints, handsup_packets):
+    """The command on real envs: 2 checkpoints (one env each, closed before the next), 2 seeds, 2 envs, 40 steps."""
+    args = ev.Args(ckpt=tuple(map(str, tiny_checkpoints)), settings=(sim,), motions=str(handsup_packets[0].parent),
+                   seeds=(0, 1), episodes=2, num_envs=2, max_steps=40, out_dir=str(tmp_path),
+                   video_clips=("B_HandsUp",))
     summary = ev.main(args)
+    if sim == "isaaclab":
+        assert_no_live_isaaclab_sim()
     assert summary["settings"][0]["in_domain"] == (sim == "isaaclab")
-    assert summary["results"]["tiny_teacher"][sim]["g_mpjpe_mm"]["n_seeds"] == 1
-    assert len((tmp_path / "episodes.csv").read_text().splitlines()) == 2
-    assert (tmp_path / "videos" / f"tiny_teacher_{sim}_B_HandsUp_seg00.mp4").stat().st_size > 0
+    for label in ("tiny_teacher", "tiny_student"):
+        assert summary["results"][label][sim]["g_mpjpe_mm"]["n_seeds"] == 2
+        assert (tmp_path / "videos" / f"{label}_{sim}_B_HandsUp_seg00.mp4").stat().st_size > 0
+    lines = (tmp_path / "episodes.csv").read_text().splitlines()
+    assert len(lines) == 1 + 2 * 2 * 2  # checkpoints x seeds x episodes of the one clip
+    assert {line.split(",")[lines[0].split(",").index("kind")] for line in lines[1:]} == {"teacher", "student"}
+    assert summary["ttests"] and "## Paired t-tests" in (tmp_path / "table.md").read_text()
