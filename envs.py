@@ -840,7 +840,10 @@ class TrackingEnv:
         terms, metrics = tracking_terms(body, ref, self.sim.root_state())
         reward = sum(REWARD_WEIGHTS[k] * torch.exp(REWARD_COEFFS[k] * terms[k]) for k in REWARD_WEIGHTS)
         reward = reward - POWER_PENALTY * power
-        failed = metrics["max_body_err_m"] > TERMINATION_ERR_M
+        # human keypoint commands define only the SSJR keypoints: they alone decide the failure there
+        max_err = torch.where(self.motions.keypoints_only[self.clip], metrics["max_keypoint_err_m"],
+                              metrics["max_body_err_m"])
+        failed = max_err > TERMINATION_ERR_M
         time_out = self.time_s() >= self.motions.length_s[self.clip] - 1e-6
         blown_up = self.sim.nan_envs() | ~torch.isfinite(body[0]).all(-1).all(-1) | ~torch.isfinite(q).all(-1)
         reward = torch.where(blown_up, torch.zeros_like(reward), reward)
@@ -927,7 +930,8 @@ def tracking_terms(body, ref, root_state):
              "gav": (ref["body_ang_vel"] - ang).pow(2).mean((-1, -2)),
              "rh": (ref["body_pos"][:, 0, 2] - pos[:, 0, 2]).pow(2),
              "rt": dp[:, 0].pow(2).mean(-1)}
-    metrics = {"gt_err_m": err_b.mean(-1), "keypoint_err_m": err_b[:, list(ssjr.KEYPOINT_BODY_IDS)].mean(-1), "max_body_err_m": err_b.max(-1).values,
+    err_k = err_b[:, list(ssjr.KEYPOINT_BODY_IDS)]
+    metrics = {"gt_err_m": err_b.mean(-1), "keypoint_err_m": err_k.mean(-1), "max_keypoint_err_m": err_k.max(-1).values, "max_body_err_m": err_b.max(-1).values,
                "mpjpe_m": rel.norm(dim=-1).mean(-1), "gr_err_rad": angle.mean(-1)}
     return terms, metrics
 

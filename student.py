@@ -184,7 +184,7 @@ def init_hcdr_from_teacher(policy: StudentPolicy, teacher_agent, path):
 
 # --- observation noise (training only) ------------------------------------------------------------------------------
 def state_noise_std(args: Args, state_dim: int) -> torch.Tensor:
-    """Per-field std of one (s, alpha) entry: s = dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
+    """Per-field std of one (s, alpha) entry: s = dof pos (29), dof vel (29), root ang vel (3), gravity (3); alpha 0."""
     if state_dim != SPARSE_STATE_DIM:
         raise ValueError(f"sparse state has {state_dim} dims, the noise fields assume {SPARSE_STATE_DIM}")
     std = torch.cat([torch.full((29,), args.noise_dof_pos_rad), torch.full((29,), args.noise_dof_vel_rad_s),
@@ -376,9 +376,11 @@ def train(args: Args, env=None) -> pathlib.Path:
     checkpoint()
     writer.close()
     signal.signal(signal.SIGINT, previous_handler)
+    saved = f"saved {ckpt_path}"
     if (run_dir / "metrics.jsonl").exists():  # at least one iteration logged
         plot_distillation_curve(run_dir)
-    print(f"saved {ckpt_path} (curve: {run_dir / 'distillation_curve.png'})")
+        saved += f" and {run_dir / 'distillation_curve.png'}"
+    print(saved)
     return ckpt_path
 
 
