@@ -1,10 +1,10 @@
-"""HCDR: the History-Conditioned Dynamics Representation of HoRD (paper Sec. 3.4).
+"""HCDR: the History-Conditioned Dynamics Representation of HoRD (paper, subsection "HCDR").
 
 m_t = QFormer(m_0, H_t): N learnable query tokens m_0 read the last K (state, action) pairs H_t by cross-attention
 and are pooled into one token m_t, which the teacher and student append to their transformer input.
 
-`python hcdr.py probe --sim genesis --num-envs 64 --steps 200` checks that m_t carries the episode's hidden dynamics
-psi: a linear head on m_t regresses psi from random-action rollouts, against the same head without history.
+`python hcdr.py probe --sim genesis --motions data/packets/g1_moves` checks that m_t carries the episode's hidden
+dynamics psi: a linear head on m_t regresses psi from random-action rollouts, against the same head without history.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class HCDR(nn.Module):
     def forward(self, history: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         batch = history.shape[0]
         x = torch.where(mask[..., None], history, 0.0).transpose(1, 2)  # [B, S+A, K], invalid entries zeroed
-        x = nn.functional.pad(x, (self.kernel_steps - 1, 0))             # causal: token k sees steps k-3..k
+        x = nn.functional.pad(x, (self.kernel_steps - 1, 0))             # causal: token k sees k-kernel_steps+1..k
         tokens = self.embed_mlp(self.embed_conv(x).transpose(1, 2)) + self.time_emb
         memory = self.memory_norm(torch.cat([self.null.expand(batch, -1, -1), tokens], dim=1))
         ignore = torch.cat([mask.new_zeros(batch, 1), ~mask], dim=1)  # key_padding_mask: True = not attended
@@ -80,26 +80,27 @@ class HCDR(nn.Module):
 
 
 def fit_psi_probe(histories: torch.Tensor, masks: torch.Tensor, psi: dict[str, torch.Tensor], action_dim: int,
-                  iters: int = 600, batch_size: int = 256, lr: float = 1e-3, seed: int = 0,
+                  iters: int = 600, batch_size: int = 256, lr: float = 1e-3, eval_every: int = 100, seed: int = 0,
                   **hcdr_kwargs) -> dict[str, dict[str, float]]:
     """Held-out R^2 of psi regressed by a linear head on m_t, with and without history.
 
-    histories [E,T,K,D], masks [E,T,K], psi {name: [E,T]}: T samples from each of E envs (or episodes). HCDR and a
-    linear head on m_t are trained end-to-end (MSE on standardized psi) on the first half of the envs; R^2 is measured
-    on the other half. The "no_history" baseline is the same model and head with the mask cut to the last entry (the
-    current state and action only). psi components that are constant in the training half get R^2 = nan.
-    Returns {"hcdr": {name: r2}, "no_history": {name: r2}}.
+    histories [E,T,K,D], masks [E,T,K], psi {name: [E,T]}: T samples from each of E envs. HCDR and a linear head on
+    m_t are trained end-to-end (MSE on standardized psi) on the first 3/8 of the envs; each psi component is read at
+    the iterate with its lowest error on the next 1/8 (early stopping: with few episodes the model soon recognizes
+    each training episode and memorizes its psi); R^2 is measured on the other half. The "no_history" baseline is the
+    same model and head with the mask cut to the last entry (the current state and action only). psi components that
+    are constant in the training envs get R^2 = nan. Returns {"hcdr": {name: r2}, "no_history": {name: r2}}.
     """
-    num_train = histories.shape[0] // 2
+    samples_per_env = histories.shape[1]
+    fit, val = histories.shape[0] * 3 // 8 * samples_per_env, histories.shape[0] // 2 * samples_per_env
     x, m = histories.flatten(0, 1).float(), masks.flatten(0, 1).bool()
     y = torch.stack([v.flatten().float() for v in psi.values()], dim=-1)
-    split = num_train * histories.shape[1]
     # Standardize inputs over the valid training entries, targets over the training samples (the probe is the caller).
-    valid = x[:split][m[:split]]
+    valid = x[:val][m[:val]]
     x = (x - valid.mean(0)) / valid.std(0).clamp_min(1e-6)
-    varies = y[:split].std(0) > 1e-6
+    varies = y[:val].std(0) > 1e-6
     y = y[:, varies]
-    y = (y - y[:split].mean(0)) / y[:split].std(0)
+    y = (y - y[:val].mean(0)) / y[:val].std(0)
     last_only = torch.zeros_like(m)
     last_only[:, -1] = True
 
@@ -107,17 +108,30 @@ def fit_psi_probe(histories: torch.Tensor, masks: torch.Tensor, psi: dict[str, t
     for name, probe_mask in (("hcdr", m), ("no_history", m & last_only)):
         torch.manual_seed(seed)
         encoder = HCDR(x.shape[-1] - action_dim, action_dim, history_len=x.shape[1], **hcdr_kwargs)
-        head = nn.Linear(encoder.out.out_features, y.shape[-1])  # the linear probe on m_t
-        optimizer = torch.optim.Adam([*encoder.parameters(), *head.parameters()], lr=lr)
-        for _ in range(iters):
-            idx = torch.randint(split, (batch_size,))
-            loss = (head(encoder(x[idx], probe_mask[idx])) - y[idx]).square().mean()
+        model = nn.ModuleDict({"encoder": encoder, "head": nn.Linear(encoder.out.out_features, y.shape[-1])})
+
+        def predict(rows: slice) -> torch.Tensor:  # in chunks, to bound memory
+            with torch.no_grad():
+                return torch.cat([model.head(encoder(x[rows][i:i + 4096], probe_mask[rows][i:i + 4096]))
+                                  for i in range(0, len(x[rows]), 4096)])
+
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        best_val_mse = torch.full((y.shape[-1],), float("inf"))
+        test_pred = torch.zeros_like(y[val:])
+        for i in range(iters):
+            idx = torch.randint(fit, (batch_size,))
+            loss = (model.head(encoder(x[idx], probe_mask[idx])) - y[idx]).square().mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        with torch.no_grad():
-            pred = head(encoder(x[split:], probe_mask[split:]))
-        r2 = 1 - (pred - y[split:]).square().sum(0) / (y[split:] - y[split:].mean(0)).square().sum(0)
+            if (i + 1) % eval_every == 0:  # early stopping per psi component, on the validation envs
+                val_mse = (predict(slice(fit, val)) - y[fit:val]).square().mean(0)
+                better = val_mse < best_val_mse
+                if better.any():
+                    best_val_mse = torch.minimum(val_mse, best_val_mse)
+                    test_pred[:, better] = predict(slice(val, None))[:, better]
+        test_y = y[val:]
+        r2 = 1 - (test_pred - test_y).square().sum(0) / (test_y - test_y.mean(0)).square().sum(0)
         r2_iter = iter(r2.tolist())
         results[name] = {k: next(r2_iter) if v else float("nan") for k, v in zip(psi, varies.tolist())}
     return results
@@ -159,11 +173,12 @@ def synthetic_rollouts(num_envs: int, steps: int, history_len: int = 16, record_
 class Args:
     sim: Literal["genesis", "isaaclab", "synthetic"] = "genesis"
     """physics engine of envs.make_env, or 'synthetic' (spring-mass systems, no robot)"""
-    num_envs: int = 64
-    """parallel envs (episodes); the first half trains the probe, the second half tests it"""
-    steps: int = 200
+    num_envs: int = 1024
+    """parallel envs; the first half trains the probe, the second half tests it (random actions fall in ~1 s, so each
+    env plays several episodes; fewer than ~1000 training episodes let the probe memorize them instead)"""
+    steps: int = 100
     """control steps (50 Hz) to roll out"""
-    record_every: int = 4
+    record_every: int = 2
     """record (history, mask, psi) every this many control steps"""
     action_noise_rad: float = 0.2
     """std of the random PD-target offsets around the reference joint positions"""
