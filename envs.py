@@ -45,6 +45,7 @@ import ssjr
 from ssjr import quat_apply, quat_conj, quat_mul, rot6d, yaw_quat
 
 PHYSICS_DT_S = 0.005  # 200 Hz physics
+SPARSE_STATE_DIM = 64  # s in each (s, alpha) pair of H_t and in the student's proprio (see the table above)
 DECIMATION = 4  # 50 Hz policy
 CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
 
@@ -802,7 +803,7 @@ class TrackingEnv:
         """One 50 Hz control step: PD targets alpha [N,29] -> (obs, reward [N], done [N], info)."""
         n, dev = self.num_envs, self.device
         alpha = alpha.detach().to(dev)
-        s_before = self.sparse_state()
+        s_before = self.sparse_buf[:, -1, :SPARSE_STATE_DIM]  # s_t, observed at the end of the last step
         kp = self.kp * self.psi["kp_scale"][:, None]
         kd = self.kd * self.psi["kd_scale"][:, None]
         delay = self.psi["delay_steps"][:, None]
@@ -837,7 +838,7 @@ class TrackingEnv:
         self.history_mask[:, -1] = True
         # reward and termination against the reference at the new time
         ref = self.reference()
-        terms, metrics = tracking_terms(body, ref, self.sim.root_state())
+        terms, metrics = tracking_terms(body, ref)
         reward = sum(REWARD_WEIGHTS[k] * torch.exp(REWARD_COEFFS[k] * terms[k]) for k in REWARD_WEIGHTS)
         reward = reward - POWER_PENALTY * power
         # human keypoint commands define only the SSJR keypoints: they alone decide the failure there
@@ -864,10 +865,10 @@ class TrackingEnv:
         return self._observe(body, q, qd), reward, done, info
 
     # --- observations ---------------------------------------------------------------------------------------------
-    def sparse_state(self) -> torch.Tensor:
+    @staticmethod
+    def sparse_state(body, q, qd) -> torch.Tensor:
         """s for HCDR and the student: dof pos, dof vel, root ang vel (root frame), projected gravity [N, 64]."""
-        q, qd = self.sim.dof_state()
-        _, quat, _, ang = self.sim.root_state()
+        quat, ang = body[1][:, 0], body[3][:, 0]  # the root is body 0 (pelvis)
         return torch.cat([q, qd, quat_apply(quat_conj(quat), ang), projected_gravity(quat)], -1)
 
     def _observe(self, body, q, qd) -> dict[str, torch.Tensor]:
@@ -884,7 +885,7 @@ class TrackingEnv:
             rot6d(quat_mul(ih.expand_as(quat), quat)).flatten(1),
             quat_apply(ih, lin).flatten(1), quat_apply(ih, ang).flatten(1),
             q, qd, self.last_alpha], -1)
-        sparse = torch.cat([self.sparse_state(), self.last_alpha], -1)
+        sparse = torch.cat([self.sparse_state(body, q, qd), self.last_alpha], -1)
         fresh = self._fresh[:, None, None]
         self.proprio_buf = torch.where(fresh, proprio[:, None], torch.roll(self.proprio_buf, -1, 1))
         self.proprio_buf[:, -1] = proprio
@@ -918,7 +919,7 @@ class TrackingEnv:
         return obs
 
 
-def tracking_terms(body, ref, root_state):
+def tracking_terms(body, ref):
     """Mean squared tracking errors (the exp-reward arguments) and the per-env metrics of the paper."""
     pos, quat, lin, ang = body
     dp = ref["body_pos"] - pos
@@ -931,7 +932,8 @@ def tracking_terms(body, ref, root_state):
              "rh": (ref["body_pos"][:, 0, 2] - pos[:, 0, 2]).pow(2),
              "rt": dp[:, 0].pow(2).mean(-1)}
     err_k = err_b[:, list(ssjr.KEYPOINT_BODY_IDS)]
-    metrics = {"gt_err_m": err_b.mean(-1), "keypoint_err_m": err_k.mean(-1), "max_keypoint_err_m": err_k.max(-1).values, "max_body_err_m": err_b.max(-1).values,
+    metrics = {"gt_err_m": err_b.mean(-1), "keypoint_err_m": err_k.mean(-1),
+               "max_keypoint_err_m": err_k.max(-1).values, "max_body_err_m": err_b.max(-1).values,
                "mpjpe_m": rel.norm(dim=-1).mean(-1), "gr_err_rad": angle.mean(-1)}
     return terms, metrics
 

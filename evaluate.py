@@ -20,9 +20,10 @@ default stance at the command's root with only the SSJR keypoint bodies commande
 are left empty (NaN) and they are scored by the keypoint error and the falls, in their own report section.
 
 Every episode starts at frame 0 of its clip (reference-state init; make_env(start="frame0")), runs until the clip
-ends or the env terminates it (max body error > 0.5 m), and is recorded per control step (50 Hz): env.body_pos_w,
-env.ref_body_pos_w [N,30,3], env.body_quat_w, env.ref_body_quat_w [N,30,4], read right after env.step() (the
-pre-reset states the env's reward and termination were computed from). Metrics per episode of T steps, B=30 bodies:
+ends or the env terminates it (max body error > 0.5 m; max keypoint error for a keypoint command), and is recorded
+per control step (50 Hz): env.body_pos_w, env.ref_body_pos_w [N,30,3], env.body_quat_w, env.ref_body_quat_w [N,30,4],
+read right after env.step() (the pre-reset states the env's reward and termination were computed from). Metrics per
+episode of T steps, B=30 bodies:
 
   GTE_t        = max_b ||p_ref_tb - p_tb||                                    (world frame, m)
   success      = max_t GTE_t < 0.5 m  (and every error finite)                (strict success)
@@ -40,8 +41,9 @@ pre-reset states the env's reward and termination were computed from). Metrics p
     rv_rew   err_t = ||v_t - v_ref_t||^2                   root linear velocity, world frame (m/s)
     rav_rew  err_t = ||w_t - w_ref_t||^2                   root angular velocity, world frame (rad/s)
   keypoint_err = mean_t mean_k ||b_tk - b_ref_tk||, k = the SSJR keypoint bodies   (world frame, mm; every command)
-  fell         = the env ended the episode early: its failure test (a body > 0.5 m from the command, which a fall
-                 always triggers) or a blown-up simulation                     (every command; reported in %)
+  fell         = the env ended the episode early: its failure test (a body > 0.5 m from the reference; for a human
+                 keypoint command a keypoint body > 0.5 m from its keypoint; a fall always triggers it) or a blown-up
+                 simulation                                                    (every command; reported in %)
   Velocities are finite differences of the recorded states over one control step (dt = envs.CONTROL_DT_S),
   identical for robot and reference: v_t = (p_root,t+1 - p_root,t)/dt, w_t = rotvec(q_root,t+1 q_root,t^-1)/dt,
   and the joint-velocity error |qdot - qdot_ref| = angle(lr_t^-1 lr_t+1, lr_ref_t^-1 lr_ref_t+1)/dt, exact for hinge
@@ -90,6 +92,7 @@ KEYPOINT_TABLE = (("keypoint_err_mm", "keypoint err (mm)↓"), ("fell", "falls (
 ROBOT, HUMAN_KEYPOINTS = "robot", "human_keypoints"  # the packet kinds (ssjr.save_packet)
 ENGINES = {"isaaclab": "IsaacLab", "genesis": "Genesis"}
 RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
+ENV_METRICS = ("max_body_err_m", "keypoint_err_m", "max_keypoint_err_m")  # info["metrics"] recorded per step
 
 
 @dataclass
@@ -199,8 +202,9 @@ def keypoint_err_m(pos: torch.Tensor, ref_pos: torch.Tensor) -> torch.Tensor:
 
 def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S, command: str = ROBOT) -> dict[str, float]:
     """The per-episode metrics computable from a recorded episode (rec: RECORDED arrays [T,B,.], numpy or torch):
-    METRICS (NaN for a human keypoint command, whose non-keypoint reference bodies are filler), keypoint_err_mm and
-    max_gte_m (the quantity the env terminates on). `fell` is the env's verdict: it comes with the rollout."""
+    METRICS and max_gte_m (NaN for a human keypoint command, whose non-keypoint reference bodies are filler),
+    keypoint_err_mm and max_keypoint_err_m. The largest of max_gte_m (robot motion) / max_keypoint_err_m (keypoint
+    command) is what the env's failure test compares with 0.5 m; `fell`, its verdict, comes with the rollout."""
     pos, ref_pos, quat, ref_quat = (torch.as_tensor(np.asarray(rec[k]), dtype=torch.float64) for k in RECORDED)
     if pos.ndim != 3 or pos.shape[0] == 0 or pos.shape != ref_pos.shape or quat.shape != ref_quat.shape:
         raise ValueError(f"episode arrays must be [T>0,B,3] / [T,B,4] and match: {tuple(pos.shape)} "
@@ -212,10 +216,12 @@ def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S, command: str = R
            "gr_err_rad": gr, "gr_err_deg": math.degrees(gr)}
     out.update(reward_terms(pos, quat, ref_pos, ref_quat, dt_s, ssjr.BODY_PARENTS, ssjr.KEYPOINT_BODY_IDS))
     if command == HUMAN_KEYPOINTS:
-        out.update(dict.fromkeys(METRICS, math.nan))
+        out.update(dict.fromkeys((*METRICS, "max_gte_m"), math.nan))
     elif command != ROBOT:
         raise ValueError(f"unknown command kind {command!r}: expected {ROBOT!r} or {HUMAN_KEYPOINTS!r}")
+    kb = list(ssjr.KEYPOINT_BODY_IDS)
     out["keypoint_err_mm"] = 1000.0 * float(keypoint_err_m(pos, ref_pos).mean())
+    out["max_keypoint_err_m"] = float(body_errors_m(pos[:, kb], ref_pos[:, kb]).max())
     return out
 
 
@@ -400,8 +406,11 @@ def ttest_markdown(tests: list[dict], alpha: float) -> str:
 def _counts(rows: list[dict]) -> str:
     motions, clips = {r["motion"] for r in rows}, {r["clip"] for r in rows}
     seeds, eps = {r["seed"] for r in rows}, {(r["clip"], r["seed"], r["episode"]) for r in rows}
+    truncated = sum(r["truncated"] for r in rows)
+    cut = (f"; {truncated} of all {len(rows)} recorded episodes were cut short by --max-steps (scored on what was "
+           f"played: a success there only means no failure so far)") if truncated else ""
     return (f"{len(motions)} motions ({len(clips)} clips), {len(seeds)} seed(s), {len(eps)} episodes per checkpoint "
-            f"and setting")
+            f"and setting{cut}")
 
 
 def push_note() -> str:
@@ -410,16 +419,21 @@ def push_note() -> str:
             f"of episode time; episodes shorter than {lo:g} s are never pushed.\n\n")
 
 
-def report_markdown(rows: list[dict], labels: list[str], settings: list["Setting"], alpha: float) -> str:
+def report_markdown(rows: list[dict], labels: list[str], settings: list["Setting"], alpha: float,
+                    notes: tuple[str, ...] = ()) -> str:
     """The full markdown report (what is printed and saved as table.md): the paper's tables over the robot-motion
-    episodes, a keypoint error / falls section over the human keypoint command episodes, the t-tests over both."""
+    episodes, a keypoint error / falls section over the human keypoint command episodes, the t-tests over both.
+    notes: lines shown first (e.g. planned episodes that --max-steps cut off)."""
     robot = [r for r in rows if r["command"] == ROBOT]
     human = [r for r in rows if r["command"] == HUMAN_KEYPOINTS]
     flat = [s for s in settings if s.terrain == "flat"]
     with_dr = [s for s in settings if s.dr]
     parts = [f"# HoRD evaluation\n\nMean ± std over seeds; success = max_t GTE_t < {SUCCESS_THRESHOLD_M} m; falls = "
-             f"episodes the env ended early (a body > {envs.TERMINATION_ERR_M} m from the command, or a blown-up "
+             f"episodes the env ended early (a body > {envs.TERMINATION_ERR_M} m from the reference, a keypoint body "
+             f"for human keypoint commands, or a blown-up "
              f"simulation). `*`: paired t-test against {labels[0]} with p < {alpha}.\n"]
+    if notes:
+        parts.append("**Notes**\n\n" + "".join(f"- {n}\n" for n in notes))
     if robot:
         motions = list(dict.fromkeys(r["motion"] for r in robot))
         parts.append(f"Robot motions (SSJR packets): {_counts(robot)}.\n")
@@ -439,7 +453,7 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list["Setting
         commands = list(dict.fromkeys(r["motion"] for r in human))
         parts.append(f"## Human keypoint commands\n\n{_counts(human)}. Only the SSJR keypoint bodies are commanded "
                      f"(the other reference bodies are a default stance), so these episodes are scored by the keypoint "
-                     f"error and the falls instead of the full-body metrics above.\n\n"
+                     f"error and the falls instead of the full-body metrics.\n\n"
                      + table1_markdown(human, labels, settings, alpha, KEYPOINT_TABLE))
         if with_dr:
             parts.append("## Push recovery: human keypoint commands\n\n" + push_note()
@@ -710,7 +724,7 @@ def episode_plan(num_envs: int, num_clips: int, episodes_per_clip: int) -> list[
 def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]], max_steps: int = 0):
     """Roll `policy` in `env` (made with start='frame0'; `obs` from its first reset or env.reseed(seed), a second
     reset would skip clips) and yield each planned episode as a dict: clip, episode, steps, RECORDED arrays [T,...]
-    (numpy), env_max_body_err_m and env_keypoint_err_m [T] (the env's own metrics), failed, time_out, nan, truncated,
+    (numpy), env_<ENV_METRICS> [T] (the env's own per-step metrics), failed, time_out, nan, truncated,
     pushes (how many steps of the episode applied a push, info["pushed"]) and psi (the episode's dynamics)."""
     n = env.num_envs
     if len(plan) != n:
@@ -731,7 +745,7 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]
                "failed": bool(window[-1]["failed"][i]), "time_out": bool(window[-1]["time_out"][i]),
                "nan": bool(window[-1]["nan"][i]), "pushes": int(col("pushed").sum()),
                "psi": {key: float(v[i]) for key, v in info["psi"].items()},
-               "env_max_body_err_m": col("max_body_err_m").numpy(), "env_keypoint_err_m": col("keypoint_err_m").numpy()}
+               **{f"env_{key}": col(key).numpy() for key in ENV_METRICS}}
         rec.update({key: col(key).numpy() for key in RECORDED})
         return rec
 
@@ -747,7 +761,7 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]
         entry = {key: getattr(env, key).detach().to("cpu", torch.float32).clone() for key in RECORDED}
         entry.update(clip=info["clip"].cpu(), failed=info["failed"].cpu(), time_out=info["time_out"].cpu(),
                      nan=info["nan"].cpu(), pushed=info["pushed"].cpu(),
-                     **{key: info["metrics"][key].float().cpu() for key in ("max_body_err_m", "keypoint_err_m")})
+                     **{key: info["metrics"][key].float().cpu() for key in ENV_METRICS})
         steps.append(entry)
         step += 1
         for i in done.nonzero().flatten().tolist():
@@ -762,12 +776,14 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]
 
 
 def check_env_metrics(rec: dict, tol_m: float = 1e-3) -> str:
-    """'' if this file's GTE_t and keypoint error agree with the env's own info['metrics'] (max_body_err_m,
-    keypoint_err_m) at every step, else a description (a disagreement means the recorded states are not the ones the
-    env terminated on)."""
+    """'' if this file's per-step errors agree with the env's own info['metrics'] (ENV_METRICS) at every step, else
+    a description (a disagreement means the recorded states are not the ones the env judged)."""
     pos, ref_pos = (torch.as_tensor(np.asarray(rec[k]), dtype=torch.float64) for k in ("body_pos_w", "ref_body_pos_w"))
+    kb = list(ssjr.KEYPOINT_BODY_IDS)
+    ours_by_name = {"max_body_err_m": gte_m(pos, ref_pos), "keypoint_err_m": keypoint_err_m(pos, ref_pos),
+                    "max_keypoint_err_m": body_errors_m(pos[:, kb], ref_pos[:, kb]).amax(dim=-1)}
     problems = []
-    for name, ours in (("max_body_err_m", gte_m(pos, ref_pos)), ("keypoint_err_m", keypoint_err_m(pos, ref_pos))):
+    for name, ours in ours_by_name.items():
         diff = np.abs(np.asarray(rec[f"env_{name}"], np.float64) - ours.numpy())
         if np.any(diff > tol_m):
             problems.append(f"{name} differs from info['metrics']['{name}'] by up to {np.nanmax(diff):.4f} m "
@@ -794,17 +810,18 @@ def finite_or_none(x):
     return x
 
 
-def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[Setting], alpha: float) -> dict:
+def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
+                  notes: tuple[str, ...] = ()) -> dict:
     """table.md, episodes.csv, summary.json and plots into out_dir; returns the summary."""
     out = pathlib.Path(out_dir)
-    report = report_markdown(rows, labels, settings, alpha)
+    report = report_markdown(rows, labels, settings, alpha, notes)
     write_text_atomic(out / "table.md", report)
     write_text_atomic(out / "episodes.csv", csv_text(rows))
     by = group(rows, "label", "setting", "command")
     commands = [c for c in (ROBOT, HUMAN_KEYPOINTS) if any(r["command"] == c for r in rows)]
     summary = {"labels": labels, "settings": [dataclasses.asdict(s) for s in settings],
                "clips": list(dict.fromkeys(r["clip"] for r in rows)),
-               "reward_c": REWARD_C, "success_threshold_m": SUCCESS_THRESHOLD_M, "alpha": alpha,
+               "reward_c": REWARD_C, "success_threshold_m": SUCCESS_THRESHOLD_M, "alpha": alpha, "notes": list(notes),
                "results": {label: {s.name: {m: dict(zip(("mean", "std", "n_seeds"),
                                                           seed_stats(by.get((label, s.name, ROBOT), []), m)))
                                             for m in ALL_METRICS} for s in settings} for label in labels},
@@ -887,7 +904,7 @@ def main(args: Args) -> dict:
                         rows.append(row)
                         if ({row["clip"], row["motion"]} & set(args.video_clips) and setting.name == video_setting
                                 and seed == args.seeds[0] and row["episode"] == 0):
-                            name = f"{label}_{setting.name}_{row['clip']}.mp4".replace(" ", "_").replace("@", "_")
+                            name = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{label}_{setting.name}_{row['clip']}.mp4")
                             write_video(rec, pathlib.Path(args.out_dir) / "videos" / name,
                                         title=f"{label} | {setting.title} | {row['clip']} | seed {seed}")
                         bar.update(1)
@@ -895,7 +912,35 @@ def main(args: Args) -> dict:
     order = {"label": labels, "setting": [s.name for s in settings], "clip": clips}
     rows.sort(key=lambda r: (order["label"].index(r["label"]), order["setting"].index(r["setting"]), r["seed"],
                              order["clip"].index(r["clip"]), r["episode"]))  # episodes finish in any order
-    return write_outputs(args.out_dir, rows, labels, settings, args.alpha)
+    notes = coverage_notes(rows, labels, settings, args, clips, len(plan), video_setting)
+    for note in notes:
+        warnings.warn(note)
+    return write_outputs(args.out_dir, rows, labels, settings, args.alpha, tuple(notes))
+
+
+def coverage_notes(rows: list[dict], labels: list[str], settings: list[Setting], args: Args, clips: list[str],
+                   num_envs: int, video_setting: str) -> list[str]:
+    """What --max-steps (a cap on each whole rollout, not on each episode) left unplayed: env i plays clips i, i+N,
+    ... one after the other, so with more clips than envs the later ones are only reached if the earlier ones end
+    in time. Also names --video-clips that were never recorded."""
+    notes, by = [], group(rows, "label", "setting")
+    planned = len(clips) * args.episodes * len(args.seeds)
+    for label in labels:
+        for s in settings:
+            sel = by.get((label, s.name), [])
+            if len(sel) < planned:
+                unreached = [c for c in clips if not any(r["clip"] == c for r in sel)]
+                notes.append(f"{label} | {s.name}: {planned - len(sel)} of {planned} planned episodes not reached "
+                             f"within --max-steps {args.max_steps} (a cap on each rollout of {num_envs} envs); clips "
+                             f"never reached: {', '.join(unreached) or 'none'}")
+    for label in labels:
+        recorded = {c for r in by.get((label, video_setting), []) if (r["seed"], r["episode"]) == (args.seeds[0], 0)
+                    for c in (r["clip"], r["motion"])}
+        missing_videos = [c for c in args.video_clips if c not in recorded]
+        if missing_videos:
+            notes.append(f"--video-clips {', '.join(missing_videos)}: not reached for {label} in {video_setting}, "
+                         f"seed {args.seeds[0]}: no video")
+    return notes
 
 
 if __name__ == "__main__":

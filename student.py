@@ -57,7 +57,8 @@ import tyro
 import envs
 import ssjr
 import teacher
-from teacher import SPARSE_STATE_DIM, build_env, check_layout, load_checkpoint, save_checkpoint
+from envs import SPARSE_STATE_DIM
+from teacher import build_env, check_layout, load_checkpoint, save_checkpoint
 
 
 @dataclass

@@ -30,7 +30,6 @@ import tyro
 import envs
 from hcdr import HCDR
 
-SPARSE_STATE_DIM = 64  # the s of each (s, alpha) pair in H_t (see envs.py observation table)
 
 
 @dataclass

@@ -283,7 +283,7 @@ def fake_rows(labels=("HoRD", "w/o HCDR"), settings=("isaaclab", "genesis+dr"), 
                         rows.append({"label": label, "setting": setting, "seed": seed, "command": command,
                                      "motion": clip[0], "clip": clip, "episode": e, **full,
                                      "keypoint_err_mm": g / 3, "fell": float(li == 1 and e == 1),
-                                     "pushes": int(e == 1 and "dr" in setting)})
+                                     "pushes": int(e == 1 and "dr" in setting), "truncated": 0})
     return rows
 
 
@@ -449,7 +449,8 @@ class ScriptedEnv:
         self.body_quat_w = self.ref_body_quat_w = torch.tensor([1.0, 0, 0, 0]).repeat(n, 30, 1)
         err = 0.1 * (self.clip + 1).float()
         info = {"clip": self.clip.clone(), "failed": fail, "time_out": time_out, "nan": torch.zeros(n, dtype=bool),
-                "metrics": {"max_body_err_m": err, "keypoint_err_m": err}, "pushed": self.t == 2,
+                "metrics": {"max_body_err_m": err, "keypoint_err_m": err, "max_keypoint_err_m": err},
+                "pushed": self.t == 2,
                 "psi": {"mass_scale": torch.full((n,), 1.05)}}
         for i in done.nonzero().flatten().tolist():
             self.clip[i] = (self.clip[i] + n + int(self.skip_clip)) % len(self.lengths)
@@ -512,7 +513,8 @@ def test_keypoint_command_metrics():
     human = ev.episode_metrics(rec(moved, quat, pos, quat), command=ev.HUMAN_KEYPOINTS)
     assert robot["keypoint_err_mm"] == human["keypoint_err_mm"] == pytest.approx(50.0)
     assert robot["g_mpjpe_mm"] > 0 and all(math.isnan(human[m]) for m in ev.METRICS)
-    assert human["max_gte_m"] == pytest.approx(0.3)  # what the env terminates on, kept as a diagnostic
+    assert robot["max_gte_m"] == pytest.approx(0.3) and math.isnan(human["max_gte_m"])  # the filler body counts
+    assert robot["max_keypoint_err_m"] == human["max_keypoint_err_m"] == pytest.approx(0.05)  # the env's test there
     with pytest.raises(ValueError, match="unknown command kind"):
         ev.episode_metrics(rec(pos, quat, pos, quat), command="smpl")
 
@@ -610,10 +612,31 @@ def test_main_end_to_end_on_scripted_envs(tmp_path, monkeypatch):
     assert summary["results"]["HoRD w/o HCDR"]["isaaclab"]["success"]["mean"] == 100.0
     assert summary["results"]["HoRD w/o HCDR"]["isaaclab"]["fell"]["mean"] == pytest.approx(100 / 6)
     assert (tmp_path / "out" / "videos" / "HoRD_isaaclab_b.mp4").stat().st_size > 0
-    assert len(list((tmp_path / "out" / "videos").iterdir())) == 2  # first seed, episode 0, both checkpoints
+    videos = sorted(v.name for v in (tmp_path / "out" / "videos").iterdir())  # first seed, episode 0, both ckpts
+    assert videos == ["HoRD_isaaclab_b.mp4", "HoRD_w_o_HCDR_isaaclab_b.mp4"]  # '/' of a label: not a folder
     report = (tmp_path / "out" / "table.md").read_text()
     assert "| HoRD w/o HCDR |" in report
     assert "| HoRD | 100.0 ± 0.0 [12/12] |" in report.split("## Push recovery")[1]  # every episode lasts >= 2 steps
+    assert "cut short" not in report
+
+
+def test_main_notes_the_episodes_max_steps_cut_off(tmp_path, monkeypatch):
+    args, built = scripted_main(tmp_path, monkeypatch)
+    args = dataclasses.replace(args, num_envs=2, episodes=1, max_steps=5, video_clips=("b",))
+    summary = ev.main(args)  # 3 clips on 2 envs: env 0 plays a_seg00 (4 steps), then b (1 step); env 1 a_seg01
+    assert summary["notes"] == []
+    assert len((tmp_path / "out" / "episodes.csv").read_text().splitlines()) == 1 + 2 * 2 * 2 * 3
+    assert (tmp_path / "out" / "videos" / "HoRD_isaaclab_b.mp4").exists()
+    args = dataclasses.replace(args, max_steps=3, out_dir=str(tmp_path / "out3"))
+    with pytest.warns(UserWarning, match="not reached"):
+        summary = ev.main(args)  # nothing ends within 3 steps: clip b (env 0's second episode) is never reached
+    assert summary["notes"][0] == ("HoRD | isaaclab: 2 of 6 planned episodes not reached within --max-steps 3 (a cap "
+                                   "on each rollout of 2 envs); clips never reached: b")
+    # the ablation's env 0 fails at step 2, so it reaches b: its video exists
+    assert summary["notes"][-1] == "--video-clips b: not reached for HoRD in isaaclab, seed 3: no video"
+    assert [v.name for v in (tmp_path / "out3" / "videos").iterdir()] == ["HoRD_w_o_HCDR_isaaclab_b.mp4"]
+    report = (tmp_path / "out3" / "table.md").read_text()
+    assert "**Notes**" in report and "; 16 of all 20 recorded episodes were cut short by --max-steps" in report
 
 
 def test_main_closes_the_env_when_a_rollout_fails(tmp_path, monkeypatch):
@@ -631,8 +654,9 @@ def test_main_on_human_keypoint_commands(tmp_path, monkeypatch):
     commands = {r.split(",")[header.index("clip")]: r.split(",")[header.index("command")] for r in rows[1:]}
     assert commands == {"131_01_seg00": "human_keypoints", "a": "robot"}
     keypoint_rows = [r.split(",") for r in rows[1:] if "human_keypoints" in r]
-    assert all(r[header.index("g_mpjpe_mm")] == "nan" and float(r[header.index("keypoint_err_mm")]) == pytest.approx(100)
-               for r in keypoint_rows)  # 0.1 m off: clip 0 of the scripted env
+    for r in keypoint_rows:  # 0.1 m off: clip 0 of the scripted env
+        assert r[header.index("g_mpjpe_mm")] == "nan"
+        assert float(r[header.index("keypoint_err_mm")]) == pytest.approx(100)
     assert summary["results_keypoint_commands"]["HoRD"]["isaaclab"]["keypoint_err_mm"]["mean"] == pytest.approx(100)
     assert summary["results"]["HoRD"]["isaaclab"]["g_mpjpe_mm"]["mean"] == pytest.approx(200)  # clip 1: 0.2 m
     assert "## Human keypoint commands" in (tmp_path / "out" / "table.md").read_text()
@@ -698,8 +722,9 @@ def test_real_rollout_metrics_on_both_engines(tmp_path, sim, handsup_packets, ke
                 assert row["success"] == 1.0 - row["fell"]  # env terminates on the same 0.5 m rule
                 assert 0 <= row["g_mpjpe_mm"] < 600 and 0 <= row["mpjpe_mm"] <= row["g_mpjpe_mm"] + 200
                 assert all(0 < row[k] <= 1 for k in ("dv_rew", "kb_rew", "lr_rew", "rv_rew", "rav_rew"))
-            else:
+            else:  # the env judges a keypoint command by its keypoints alone
                 assert all(math.isnan(row[m]) for m in ev.METRICS)
+                assert row["fell"] == float(row["max_keypoint_err_m"] > envs.TERMINATION_ERR_M)
     # reseed(0) replays seed 0: same psi, same trajectories; seed 1 draws other dynamics
     first, other, again = ({row["clip"]: (row, rec) for row, rec in out} for out in runs)
     for clip, (row, rec) in first.items():
