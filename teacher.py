@@ -483,16 +483,24 @@ def read_log(run_dir) -> dict[str, list[float]]:
 
 
 def plot_learning_curve(run_dir):
-    """Success rate and g-mpjpe of the training episodes vs env-steps -> run_dir/learning_curve.png."""
+    """Success rate, g-mpjpe, episode length and return of the training episodes vs env-steps (raw and a moving
+    average over 20 iterations) -> run_dir/learning_curve.png."""
     from matplotlib.figure import Figure
     log = read_log(run_dir)
-    fig = Figure(figsize=(9, 3.2))
-    for i, (key, label) in enumerate([("charts/success_rate", "success rate (episodes reaching the clip end)"),
-                                      ("charts/gt_err_mm", "g-mpjpe (mm)"), ("charts/mean_reward", "mean reward")]):
-        ax = fig.add_subplot(1, 3, i + 1)
-        ax.plot(log["global_step"], log[key])
-        ax.set(xlabel="env steps", title=label)
-        ax.title.set_fontsize(8)
+    fig = Figure(figsize=(12, 3.2))
+    panels = [("charts/success_rate", "success rate (episodes reaching the clip end)"), ("charts/gt_err_mm",
+              "g-mpjpe (mm)"), ("charts/episode_length", "episode length (steps of 20 ms)"),
+              ("charts/episode_return", "episode return")]
+    for i, (key, label) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        y = np.asarray(log[key], dtype=float)
+        ax.plot(log["global_step"], y, alpha=0.35, lw=0.8)
+        if len(y) >= 20:
+            smooth = np.convolve(np.nan_to_num(y, nan=np.nanmean(y)), np.ones(20) / 20, mode="valid")
+            ax.plot(log["global_step"][19:], smooth, lw=1.8)
+        ax.set_xlabel("env steps", fontsize=8)
+        ax.set_title(label, fontsize=8)
+        ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(pathlib.Path(run_dir) / "learning_curve.png", dpi=110)
