@@ -755,7 +755,7 @@ class TrackingEnv:
         ids = torch.arange(self.num_envs, device=self.device) if env_ids is None else env_ids
         if len(ids):
             self._reset_envs(ids)
-        return self._observe(self.sim.body_state(), *self.sim.dof_state())
+        return self._observe(self.sim.body_state(), *self.sim.dof_state(), advance=False)
 
     def _reset_envs(self, ids: torch.Tensor):
         m, dev, lib = len(ids), self.device, self.motions
@@ -862,7 +862,7 @@ class TrackingEnv:
             self._reset_envs(ids)
             body = self.sim.body_state()
             q, qd = self.sim.dof_state()
-        return self._observe(body, q, qd), reward, done, info
+        return self._observe(body, q, qd, advance=True), reward, done, info
 
     # --- observations ---------------------------------------------------------------------------------------------
     @staticmethod
@@ -871,7 +871,9 @@ class TrackingEnv:
         quat, ang = body[1][:, 0], body[3][:, 0]  # the root is body 0 (pelvis)
         return torch.cat([q, qd, quat_apply(quat_conj(quat), ang), projected_gravity(quat)], -1)
 
-    def _observe(self, body, q, qd) -> dict[str, torch.Tensor]:
+    def _observe(self, body, q, qd, advance: bool) -> dict[str, torch.Tensor]:
+        """Observations of the current state. advance: a control step passed (the stacks shift by one step);
+        otherwise (a reset) only the freshly reset envs' stacks change (they are filled with their first frame)."""
         pos, quat, lin, ang = body
         n, dev = self.num_envs, self.device
         root_pos, root_quat = pos[:, 0], quat[:, 0]
@@ -887,10 +889,12 @@ class TrackingEnv:
             q, qd, self.last_alpha], -1)
         sparse = torch.cat([self.sparse_state(body, q, qd), self.last_alpha], -1)
         fresh = self._fresh[:, None, None]
-        self.proprio_buf = torch.where(fresh, proprio[:, None], torch.roll(self.proprio_buf, -1, 1))
-        self.proprio_buf[:, -1] = proprio
-        self.sparse_buf = torch.where(fresh, sparse[:, None], torch.roll(self.sparse_buf, -1, 1))
-        self.sparse_buf[:, -1] = sparse
+        for name, new in (("proprio_buf", proprio), ("sparse_buf", sparse)):
+            stack = getattr(self, name)
+            if advance:
+                stack = torch.roll(stack, -1, 1)
+                stack[:, -1] = new
+            setattr(self, name, torch.where(fresh, new[:, None], stack))
         self._fresh[:] = False
         # dense future reference (teacher) at t+1..t+8 and SSJR keypoint commands (student) at t-7..t+2
         ref = self.reference(self.window_s)
@@ -947,6 +951,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     paths = resolve_motions(motions)
     if exclude_test and len(paths) > 1:
         paths, _ = ssjr.train_test_split(paths)
+    motion_lib = MotionLib(paths, device)  # before the engine: a bad motion file leaves no simulator behind
     ground = make_terrain(terrain, seed)
     if sim == "genesis":
         engine = GenesisSim(num_envs, device, ground)
@@ -954,7 +959,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
         engine = IsaacLabSim(num_envs, device, ground, physx=physx)
     else:
         raise ValueError(f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
-    return TrackingEnv(engine, MotionLib(paths, device), ground, dr, seed, start)
+    return TrackingEnv(engine, motion_lib, ground, dr, seed, start)
 
 
 # ----------------------------------------------------------------------------------------------------------------
