@@ -229,3 +229,15 @@ def test_same_pd_hold_gives_close_trajectories_on_both_engines(built):
         env.reset()
     gap = (traj["genesis"] - traj["isaaclab"]).norm(dim=-1)
     assert gap.max() < 0.05, gap.max(-1).values
+
+
+def test_resetting_some_envs_leaves_the_others_observations_alone(env):
+    obs = env.reset()
+    for _ in range(3):
+        obs, *_ = env.step(obs["ref_dof_pos"])
+    stacks = {k: obs[k].clone() for k in ("proprio", "student_proprio", "history", "history_mask")}
+    obs = env.reset(torch.tensor([0]))
+    for k, before in stacks.items():
+        assert torch.equal(obs[k][1:], before[1:]), k
+    assert not obs["history_mask"][0].any() and obs["history_mask"][1:].any()
+    assert torch.equal(obs["proprio"][0, 0], obs["proprio"][0, -1])  # a fresh stack repeats its first frame
