@@ -156,11 +156,18 @@ class Terrain:
     def is_flat(self) -> bool:
         return not np.any(self.heights_m)
 
+    def _heights_on(self, device) -> torch.Tensor:
+        """The heightfield as a tensor on `device`, copied there once."""
+        cache = self.__dict__.setdefault("_heights_cache", {})
+        if device not in cache:
+            cache[device] = torch.as_tensor(self.heights_m, device=device)
+        return cache[device]
+
     def height_at(self, xy: torch.Tensor) -> torch.Tensor:
         """Ground height under world points xy [..., 2] (bilinear)."""
-        h = torch.as_tensor(self.heights_m, device=xy.device)
         if self.is_flat:
             return torch.zeros(xy.shape[:-1], device=xy.device)
+        h = self._heights_on(xy.device)
         g = (xy - torch.tensor(self.origin_m, device=xy.device)) / self.cell_m
         g0 = g.floor().long()
         f = g - g0
@@ -316,6 +323,7 @@ class GenesisSim:
         self.torso = ssjr.BODY_NAMES.index("torso_link")
         self.feet = [self.links[ssjr.BODY_NAMES.index(f)] for f in FEET]
         self.default_body_mass_kg = self._t(self.robot.get_links_mass(self.links))
+        self.default_inertia = self._t(self.robot.get_links_inertia(self.links))  # kg m^2 [N,30,3,3]
         self.default_torso_com = self._t(self.robot.get_links_COM([self.links[self.torso]]))[:, 0]
         self.robot.set_dofs_kp(torch.zeros(num_envs, 29), self.dofs)
         self.robot.set_dofs_kv(torch.zeros(num_envs, 29), self.dofs)
@@ -353,7 +361,12 @@ class GenesisSim:
         self.scene.sim.set_gravity(g_w, envs_idx=env_ids)
 
     def set_body_mass(self, env_ids, mass_kg):
+        """Masses [n,30]; inertias scale with the same per-body ratio (as in IsaacLabSim: a heavier body of the
+        same shape)."""
+        ratio = mass_kg / self.default_body_mass_kg[env_ids]
         self.robot.set_links_mass(mass_kg, self.links, envs_idx=env_ids)
+        self.robot.set_links_inertia(self.default_inertia[env_ids] * ratio[..., None, None], self.links,
+                                     envs_idx=env_ids)
 
     def set_com_offset(self, env_ids, offset_m):
         com = self.default_torso_com[env_ids] + offset_m
@@ -472,14 +485,14 @@ class IsaacLabSim:
     - The XML has no armature: joints start with armature/damping/frictionloss 0 until `set_joint_params` (explicit
       PD at dt 0.005 s on the light wrist links diverges without some armature). After construction every env is at
       q = 0 with the pelvis at the MJCF's 0.793 m (feet in the ground): call `write_state` before stepping.
-    - `physx=True` only routes the physics config to PhysX (needs Isaac Sim, absent here); the DR setters use the
-      Newton model and are untested there.
+    - Newton/MJWarp only: PhysX needs Isaac Sim (Kit, an RTX GPU, NVIDIA's package index), which cannot be installed
+      here, and the DR setters write the Newton model.
     """
 
     dof_names = ssjr.DOF_NAMES
     body_names = ssjr.BODY_NAMES
 
-    def __init__(self, num_envs: int, device: str, terrain, dt_s: float = 0.005, physx: bool = False):
+    def __init__(self, num_envs: int, device: str, terrain, dt_s: float = PHYSICS_DT_S):
         from isaaclab.app import launch_simulation
         import isaaclab.sim as sim_utils
 
@@ -487,13 +500,9 @@ class IsaacLabSim:
             raise RuntimeError("an Isaac Lab SimulationContext already exists in this process: close() it first")
         t0 = time.perf_counter()
         self.num_envs, self.device, self.dt_s = num_envs, torch.device(device), dt_s
-        if physx:  # needs Isaac Sim (Kit); not installable on this CPU machine
-            from isaaclab_physx.physics import PhysxCfg
-            physics = PhysxCfg()
-        else:
-            from isaaclab_newton.physics import MJWarpSolverCfg, NewtonCfg
-            physics = NewtonCfg(solver_cfg=MJWarpSolverCfg(njmax=300, nconmax=60, ls_iterations=50,
-                                                           cone="pyramidal", integrator="implicitfast"))
+        from isaaclab_newton.physics import MJWarpSolverCfg, NewtonCfg
+        physics = NewtonCfg(solver_cfg=MJWarpSolverCfg(njmax=300, nconmax=60, ls_iterations=50,
+                                                       cone="pyramidal", integrator="implicitfast"))
         sim_cfg = sim_utils.SimulationCfg(dt=dt_s, device=str(device), physics=physics)
         self._launch = contextlib.ExitStack()
         self._launch.enter_context(launch_simulation(sim_cfg, {"headless": True, "device": str(device)}))
@@ -713,6 +722,7 @@ class TrackingEnv:
         self.history_mask = torch.zeros(n, self.HISTORY_LEN, dtype=torch.bool, device=dev)
         self.substep_tau = torch.zeros(DECIMATION, n, 29, device=dev)  # torques of the last control step
         self.nan_resets = 0
+        self._fresh = torch.ones(n, dtype=torch.bool, device=dev)  # envs whose observation stacks restart
         self.default_mass = sim.default_body_mass_kg.clone()
         self.obs_layout: dict[str, list[int]] = {}
         # one reference window per step: t-7..t (student past), t+1..t+2 (student future) / t+1..t+8 (teacher)
@@ -795,8 +805,7 @@ class TrackingEnv:
         self.last_alpha[ids] = ref["dof_pos"]
         self.history[ids] = 0.0
         self.history_mask[ids] = False
-        self._fresh = torch.zeros(self.num_envs, dtype=torch.bool, device=dev)
-        self._fresh[ids] = True  # the proprio stacks of these envs are filled with their first frame
+        self._fresh[ids] = True  # the observation stacks of these envs are filled with their first frame
 
     # --- step -----------------------------------------------------------------------------------------------------
     def step(self, alpha: torch.Tensor):
@@ -808,7 +817,7 @@ class TrackingEnv:
         kd = self.kd * self.psi["kd_scale"][:, None]
         delay = self.psi["delay_steps"][:, None]
         # pushes: a random horizontal kick of the root velocity every U[5, 10] s
-        push = self.time_s() >= self.next_push_s
+        push = self.step_count * CONTROL_DT_S >= self.next_push_s  # episode time, not clip time
         if push.any():
             ids = push.nonzero().squeeze(-1)
             _, _, v, w = self.sim.root_state()
@@ -840,7 +849,8 @@ class TrackingEnv:
         ref = self.reference()
         terms, metrics = tracking_terms(body, ref)
         reward = sum(REWARD_WEIGHTS[k] * torch.exp(REWARD_COEFFS[k] * terms[k]) for k in REWARD_WEIGHTS)
-        reward = reward - POWER_PENALTY * power
+        power_w = power / DECIMATION  # mean mechanical power of the control step
+        reward = reward - POWER_PENALTY * power_w
         # human keypoint commands define only the SSJR keypoints: they alone decide the failure there
         max_err = torch.where(self.motions.keypoints_only[self.clip], metrics["max_keypoint_err_m"],
                               metrics["max_body_err_m"])
@@ -851,7 +861,7 @@ class TrackingEnv:
         failed = failed | blown_up
         done = failed | time_out
         info = {"metrics": metrics, "reward_terms": {k: torch.exp(REWARD_COEFFS[k] * v) for k, v in terms.items()},
-                "power_w": power / DECIMATION, "time_out": time_out & ~failed, "failed": failed,
+                "power_w": power_w, "time_out": time_out & ~failed, "failed": failed,
                 "nan": blown_up, "pushed": self.pushed, "psi": {k: v.clone() for k, v in self.psi.items()}, "clip": self.clip.clone()}
         self.body_pos_w, self.body_quat_w = body[0], body[1]
         self.ref_body_pos_w, self.ref_body_quat_w = ref["body_pos"], ref["body_quat"]
@@ -944,10 +954,9 @@ def tracking_terms(body, ref):
 
 def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
              dr: DR | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
-             exclude_test: bool = True, physx: bool = False) -> TrackingEnv:
+             exclude_test: bool = True) -> TrackingEnv:
     """Build the tracking env on `sim` ("isaaclab" | "genesis"). `motions`: packet folder/file/list; the held-out
-    test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation). physx: Isaac Lab
-    with PhysX instead of Newton/MJWarp (needs Isaac Sim, i.e. a GPU machine with NVIDIA's packages)."""
+    test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation)."""
     paths = resolve_motions(motions)
     if exclude_test and len(paths) > 1:
         paths, _ = ssjr.train_test_split(paths)
@@ -956,7 +965,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     if sim == "genesis":
         engine = GenesisSim(num_envs, device, ground)
     elif sim == "isaaclab":
-        engine = IsaacLabSim(num_envs, device, ground, physx=physx)
+        engine = IsaacLabSim(num_envs, device, ground)
     else:
         raise ValueError(f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
     return TrackingEnv(engine, motion_lib, ground, dr, seed, start)

@@ -252,8 +252,7 @@ def load_policy(path, device="cpu"):
 
 def parse_args() -> Args:
     """`--preset NAME` picks the defaults; every other flag overrides them."""
-    argv = sys.argv[1:]
-    preset = argv[argv.index("--preset") + 1] if "--preset" in argv[:-1] else "paper"
+    preset = teacher.preset_from_argv(sys.argv[1:])
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset '{preset}': choose one of {list(PRESETS)}")
     return tyro.cli(Args, default=PRESETS[preset])
@@ -489,13 +488,12 @@ class Play:
     """intra-op CPU threads of torch"""
 
 
-def rollout_episodes(env, policy) -> list[dict]:
-    """Run `policy` until every env has finished one episode (from reset); per env: steps, mean keypoint error, mean
-    g-mpjpe, failed (ended by the env's failure test: a fall or a body > 0.5 m off the command), success (reached the
+def rollout_episodes(env, policy, obs: dict) -> list[dict]:
+    """Run `policy` from `obs` (freshly reset envs) until every env has finished one episode; per env: steps, mean
+    keypoint error, mean g-mpjpe, failed (ended by the env's failure test: a fall or a body > 0.5 m off the command), success (reached the
     clip end). The keypoint error (info['metrics']['keypoint_err_m']: mean distance of the SSJR keypoint bodies to the
     commanded keypoints) is the meaningful score of a human keypoint command, whose other bodies are filler."""
     n = env.num_envs
-    obs = env.reset()
     kp_sum, gt_sum = torch.zeros(n), torch.zeros(n)
     steps = torch.zeros(n, dtype=torch.long)
     result: list[dict | None] = [None] * n
@@ -522,9 +520,9 @@ def play(args: Play) -> list[dict]:
     if args.sim:
         overrides["sim"] = args.sim
     env = build_env(ckpt["env_cfg"], args.num_envs, args.device, args.seed, **overrides)
-    env.reset()
+    obs = env.reset()
     check_layout(args.ckpt, ckpt["obs_layout"], env.obs_layout, STUDENT_OBS)
-    episodes = rollout_episodes(env, policy)
+    episodes = rollout_episodes(env, policy, obs)
     names = env.motions.names
     print(f"{'env':>4} {'command':<28}{'steps':>6}{'keypoint err mm':>17}{'failed':>8}")
     for e in episodes:

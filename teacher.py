@@ -308,10 +308,19 @@ def load_policy(path, device="cpu"):
     return agent.eval(), ckpt
 
 
+def preset_from_argv(argv: list[str]) -> str:
+    """The value of `--preset NAME` or `--preset=NAME` ('paper' if absent)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--preset="):
+            return a.split("=", 1)[1]
+        if a == "--preset" and i + 1 < len(argv):
+            return argv[i + 1]
+    return "paper"
+
+
 def parse_args() -> Args:
     """`--preset NAME` picks the defaults; every other flag overrides them."""
-    argv = sys.argv[1:]
-    preset = argv[argv.index("--preset") + 1] if "--preset" in argv[:-1] else "paper"
+    preset = preset_from_argv(sys.argv[1:])
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset '{preset}': choose one of {list(PRESETS)}")
     return tyro.cli(Args, default=PRESETS[preset])
@@ -327,7 +336,8 @@ def main(args: Args):
     resume = load_checkpoint(args.resume, "teacher") if args.resume else None
     if resume is not None:  # the checkpoint fixes the env and the model; only the budget may change
         args = dataclasses.replace(Args(**resume["args"]), total_env_steps=args.total_env_steps, resume=args.resume,
-                                   run_dir=resume["args"]["run_dir"])
+                                   run_dir=resume["args"]["run_dir"], device=args.device)
+        device = torch.device(args.device)
     run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{args.sim}_{args.seed}_{int(time.time())}")
     run_dir.mkdir(parents=True, exist_ok=True)
     args.run_dir = str(run_dir)
@@ -350,6 +360,7 @@ def main(args: Args):
         torch.set_rng_state(resume["rng"]["torch"])
         np.random.set_state(resume["rng"]["numpy"])
         random.setstate(resume["rng"]["python"])
+        env.gen.set_state(resume["rng"]["env"])  # the env's clip/psi/push sequence continues
         print(f"resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
 
     from torch.utils.tensorboard import SummaryWriter
@@ -361,7 +372,8 @@ def main(args: Args):
             "kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_kwargs(args), "obs_layout": layout,
             "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
             "global_step": global_step, "iteration": iteration,
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}})
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                    "env": env.gen.get_state()}})
 
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish the iteration, save, exit
@@ -471,7 +483,8 @@ def main(args: Args):
             checkpoint()
     checkpoint()
     writer.close()
-    plot_learning_curve(run_dir)
+    if (run_dir / "metrics.jsonl").exists():
+        plot_learning_curve(run_dir)
     print(f"saved {ckpt_path} and {run_dir / 'learning_curve.png'}")
     return ckpt_path
 

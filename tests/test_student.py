@@ -227,7 +227,7 @@ def test_short_distillation_reduces_action_mse(sim_setup, trained):
     torch.nn.init.zeros_(untrained.actor.head[-1].bias)
     before, after = clean_action_mse(env, untrained, agent), clean_action_mse(env, policy, agent)
     assert after < 0.5 * before, (before, after)
-    episodes = student.rollout_episodes(env, policy)  # tracking success on the clip (random start times)
+    episodes = student.rollout_episodes(env, policy, env.reset())  # tracking success on the clip (random start times)
     success = np.mean([e["success"] for e in episodes])
     assert len(episodes) == N_ENVS and 0.0 <= success <= 1.0
     assert all(e["success"] != e["failed"] and e["keypoint_err_m"] > 0 for e in episodes)
