@@ -1,6 +1,6 @@
 """Evaluate HoRD checkpoints the way the paper does (App. D metrics, Table 1 layout) with one command.
 
-    python evaluate.py --ckpt runs/teacher/ckpt.pt                               # teacher or student
+    python evaluate.py --ckpt runs/<run>/teacher.pt                               # teacher or student
     python evaluate.py --ckpt hord.pt no_hcdr.pt no_dr.pt --labels HoRD "HoRD w/o HCDR" "HoRD w/o DR"
     python evaluate.py --ckpt s.pt --settings genesis --seeds 0 --episodes 1 --max-steps 100   # smoke run
 
