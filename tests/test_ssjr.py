@@ -487,21 +487,16 @@ def test_render_png_gif_mp4_and_info(kin, tmp_path):
 
 @pytest.mark.slow
 def test_fk_matches_genesis(kin):
-    """The second engine: Genesis link positions for random poses (compiles kernels: ~60 s on first use)."""
-    gs = pytest.importorskip("genesis")
-    gs.init(backend=gs.cpu, logging_level="warning")
-    try:
-        scene = gs.Scene(show_viewer=False)
-        robot = scene.add_entity(gs.morphs.MJCF(file=str(ssjr.g1_mjcf_path())))
-        scene.build(n_envs=4)
-        names = [link.name for link in robot.links]
-        rng = np.random.default_rng(1)
-        root_pos = rng.normal(size=(4, 3)) + [0, 0, 1]
-        root_quat = rand_quat(4, seed=7).numpy()
-        dof = rng.uniform(kin.dof_lower_rad.numpy(), kin.dof_upper_rad.numpy(), size=(4, 29))
-        robot.set_qpos(np.concatenate((root_pos, root_quat, dof), axis=1))
-        engine = np.asarray(robot.get_links_pos().cpu())[:, [names.index(n) for n in ssjr.BODY_NAMES]]
-    finally:
-        gs.destroy()
-    pos, _ = kin.forward(*(torch.tensor(x, dtype=torch.float32) for x in (root_pos, root_quat, dof)))
+    """The second engine, through the project's own Genesis adapter: link positions for random poses."""
+    import envs
+    sim = envs.GenesisSim(4, "cpu", envs.make_terrain("flat"))
+    rng = np.random.default_rng(1)
+    root_pos = rng.normal(size=(4, 3)) + [0, 0, 1]
+    root_quat = rand_quat(4, seed=7).numpy()
+    dof = rng.uniform(kin.dof_lower_rad.numpy(), kin.dof_upper_rad.numpy(), size=(4, 29))
+    state = [torch.tensor(x, dtype=torch.float32) for x in (root_pos, root_quat, dof)]
+    zeros = torch.zeros(4, 3)
+    sim.write_state(torch.arange(4), state[0], state[1], zeros, zeros, state[2], torch.zeros(4, 29))
+    engine = sim.body_state()[0].numpy()
+    pos, _ = kin.forward(*state)
     assert np.abs(pos.numpy() - engine).max() < 1e-3
