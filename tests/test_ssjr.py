@@ -31,7 +31,7 @@ def kin():
 
 @pytest.fixture(scope="module")
 def mj():
-    mujoco = pytest.importorskip("mujoco")
+    import mujoco
     model = mujoco.MjModel.from_xml_path(str(ssjr.g1_mjcf_path()))
     return mujoco, model, mujoco.MjData(model)
 
