@@ -714,8 +714,7 @@ class TrackingEnv:
         self.next_clip = torch.arange(n, device=dev) % len(motion_lib)
         self.psi = sample_psi(None, n, self.gen, dev)
         self.next_push_s = torch.full((n,), float("inf"), device=dev)
-        self.alpha_prev = torch.zeros(n, 29, device=dev)
-        self.last_alpha = torch.zeros(n, 29, device=dev)
+        self.last_alpha = torch.zeros(n, 29, device=dev)  # the PD target of the previous control step
         self.proprio_buf = torch.zeros(n, self.PROPRIO_STEPS, 535, device=dev)
         self.sparse_buf = torch.zeros(n, self.STUDENT_PAST, 93, device=dev)
         self.history = torch.zeros(n, self.HISTORY_LEN, 93, device=dev)
@@ -801,7 +800,6 @@ class TrackingEnv:
         ref = self.reference(env_ids=ids)
         self.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], ref["body_lin_vel"][:, 0],
                              ref["body_ang_vel"][:, 0], ref["dof_pos"], ref["dof_vel"])
-        self.alpha_prev[ids] = ref["dof_pos"]
         self.last_alpha[ids] = ref["dof_pos"]
         self.history[ids] = 0.0
         self.history_mask[ids] = False
@@ -829,13 +827,12 @@ class TrackingEnv:
         self.pushed = push
         for k in range(DECIMATION):
             # control delay of d physics steps: the new target reaches the motors d steps into the control period
-            target = torch.where(k >= delay, alpha, self.alpha_prev)
+            target = torch.where(k >= delay, alpha, self.last_alpha)
             q, qd = self.sim.dof_state()
             tau = (kp * (target - q) - kd * qd).clamp(-self.effort_limit_nm, self.effort_limit_nm)
             self.sim.step(tau)
             self.substep_tau[k] = tau
             power += (tau * qd).abs().sum(-1)
-        self.alpha_prev = alpha
         self.last_alpha = alpha
         self.step_count += 1
         body = self.sim.body_state()

@@ -97,7 +97,7 @@ def test_control_delay_shifts_the_torque_step_by_d_physics_steps(env):
     env.psi["kp_scale"][:] = 1.0
     elbow = ssjr.DOF_NAMES.index("left_elbow_joint")
     hold = env.sim.dof_state()[0].clone()
-    env.alpha_prev = hold.clone()
+    env.last_alpha = hold.clone()
     target = hold.clone()
     target[:, elbow] += 1.0  # a 1 rad step of the PD target: kp 60 -> saturates at the 25 N m effort limit
     env.step(target)
