@@ -603,15 +603,7 @@ def resolve_motions(motions: str, packet_dir: str) -> list[pathlib.Path]:
     """'' -> the test split: the packets of ssjr.TEST_CLIPS (<clip>.npz or its segments <clip>_segNN.npz) under
     packet_dir; else a folder (every *.npz in it: SSJR packets and/or human keypoint commands) or one such file."""
     if motions:
-        path = pathlib.Path(motions)
-        if path.is_dir():
-            paths = sorted(path.glob("*.npz"))
-            if not paths:
-                raise FileNotFoundError(f"{path}: no motion files (*.npz)")
-            return paths
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such motion file or folder")
-        return [path]
+        return envs.resolve_motions(motions)
     _, test = ssjr.train_test_split(sorted(pathlib.Path(packet_dir).rglob("*.npz")))
     missing = [c for c in ssjr.TEST_CLIPS if c not in {motion_name(p.stem) for p in test}]
     if missing:
