@@ -10,6 +10,9 @@ steps physics, applies joint torques and reads/writes state. Physics runs at 200
 (decimation 4); PD control tau = kp * (alpha - q) - kd * qdot is computed here at every physics step, so the
 control law, the delay line and the gain randomization are identical on both engines.
 
+On a CPU an engine steps on one core: `EnvWorkers(num_workers, num_envs, seed, **make_env_kwargs)` runs one
+TrackingEnv per process behind the same interface (teacher.py `--env-workers`).
+
 Observation table (per env; P=535, F=569, G=121, S=64, J=len(ssjr.KEYPOINT_NAMES)):
 | key               | shape        | content (heading frame = root frame with yaw only)                          |
 |-------------------|--------------|-----------------------------------------------------------------------------|
@@ -297,10 +300,18 @@ def resolve_motions(motions) -> list[pathlib.Path]:
 class GenesisSim:
     """Genesis (gs.Scene + the G1 MJCF entity). CPU here, CUDA where available; every DR term batched per env."""
 
-    def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S):
+    performance_mode = False  # the mode gs.init ran with in this process (one per process)
+
+    def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S,
+                 performance_mode: bool = False):
         import genesis as gs
         if not getattr(gs, "_initialized", False):
-            gs.init(backend=gs.cpu if device == "cpu" else gs.gpu, logging_level="warning", precision="32")
+            gs.init(backend=gs.cpu if device == "cpu" else gs.gpu, logging_level="warning", precision="32",
+                    performance_mode=performance_mode)
+            GenesisSim.performance_mode = performance_mode
+        elif GenesisSim.performance_mode != performance_mode:
+            raise ValueError(f"Genesis is already initialized in this process with performance_mode="
+                             f"{GenesisSim.performance_mode}; one mode per process (an env worker process can differ)")
         self.gs, self.num_envs, self.device = gs, num_envs, torch.device(device)
         self.scene = gs.Scene(
             sim_options=gs.options.SimOptions(dt=dt_s, substeps=1),
@@ -730,6 +741,13 @@ class TrackingEnv:
     def close(self):
         self.sim.close()
 
+    def get_rng_state(self) -> torch.Tensor:
+        """The env's random stream (clips, start times, psi, pushes, tiles): saved with a checkpoint for --resume."""
+        return self.gen.get_state()
+
+    def set_rng_state(self, state: torch.Tensor):
+        self.gen.set_state(state)
+
     # --- reference ------------------------------------------------------------------------------------------------
     def time_s(self) -> torch.Tensor:
         return self.t0_s + self.step_count * CONTROL_DT_S
@@ -951,21 +969,180 @@ def tracking_terms(body, ref):
 
 def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
              dr: DR | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
-             exclude_test: bool = True) -> TrackingEnv:
+             exclude_test: bool = True, performance_mode: bool = False,
+             terrain_seed: int | None = None) -> TrackingEnv:
     """Build the tracking env on `sim` ("isaaclab" | "genesis"). `motions`: packet folder/file/list; the held-out
-    test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation)."""
+    test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation).
+    performance_mode (Genesis): kernels compiled for this exact num_envs, about 2x faster CPU physics (measured,
+    32 envs); it compiles at every start (~70 s on 2 cores); one mode per process. terrain_seed: the heightfield's
+    seed (default: seed)."""
     paths = resolve_motions(motions)
     if exclude_test and len(paths) > 1:
         paths, _ = ssjr.train_test_split(paths)
     motion_lib = MotionLib(paths, device)  # before the engine: a bad motion file leaves no simulator behind
-    ground = make_terrain(terrain, seed)
+    ground = make_terrain(terrain, seed if terrain_seed is None else terrain_seed)
     if sim == "genesis":
-        engine = GenesisSim(num_envs, device, ground)
+        engine = GenesisSim(num_envs, device, ground, performance_mode=performance_mode)
     elif sim == "isaaclab":
         engine = IsaacLabSim(num_envs, device, ground)
     else:
         raise ValueError(f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
     return TrackingEnv(engine, motion_lib, ground, dr, seed, start)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Several env processes seen as one batched env: a CPU engine steps on one core, so one process per core.
+# ----------------------------------------------------------------------------------------------------------------
+def _to_numpy(tree):
+    if torch.is_tensor(tree):
+        return tree.cpu().numpy()
+    if isinstance(tree, dict):
+        return {k: _to_numpy(v) for k, v in tree.items()}
+    return tree
+
+
+def _to_torch(tree):
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(tree)
+    if isinstance(tree, dict):
+        return {k: _to_torch(v) for k, v in tree.items()}
+    return tree
+
+
+def _cat(parts: list):
+    """Concatenate per-worker results along the env axis (dicts recursively; counters are summed)."""
+    if isinstance(parts[0], dict):
+        return {k: _cat([p[k] for p in parts]) for k in parts[0]}
+    if torch.is_tensor(parts[0]):
+        return torch.cat(parts)
+    return sum(parts)
+
+
+def _env_worker(conn, make_env_kwargs: dict):
+    """One TrackingEnv in this process. Observations go through shared-memory tensors made here and handed to the
+    parent once; actions, rewards and info travel as numpy arrays through the pipe (small)."""
+    import signal
+    import traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+    torch.set_num_threads(1)
+    try:
+        env = make_env(**make_env_kwargs)
+        obs = env.reset()
+        shared = {k: v.clone().share_memory_() for k, v in obs.items()}
+        conn.send(("ready", (shared, env.obs_layout, _to_numpy(env.psi))))
+        while True:
+            cmd, data = conn.recv()
+            if cmd == "step":
+                obs, reward, done, info = env.step(torch.from_numpy(data))
+                reply = (reward.numpy(), done.numpy(), _to_numpy(info), _to_numpy(env.psi))  # psi after resets
+            elif cmd == "reset":
+                obs, reply = env.reset(), _to_numpy(env.psi)
+            elif cmd == "get_rng_state":
+                reply = env.get_rng_state()
+            elif cmd == "set_rng_state":
+                env.set_rng_state(data)
+                reply = None
+            else:  # close
+                env.close()
+                conn.send(("ok", None))
+                return
+            if cmd in ("step", "reset"):
+                for k, v in obs.items():
+                    shared[k].copy_(v)
+            conn.send(("ok", reply))
+    except EOFError:  # the parent is gone
+        pass
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+class EnvWorkers:
+    """`num_workers` TrackingEnvs, each in its own process with num_envs / num_workers envs, behind the TrackingEnv
+    interface the trainers use (reset, step, obs_layout, psi, nan_resets, num_envs, rng state). Worker w's env stream
+    is seeded with seed * num_workers + w (disjoint across run seeds); all share the terrain of `seed`. The workers
+    step in parallel (a CPU engine runs on one core); results are concatenated in worker order, so the same seed gives
+    the same numbers. CPU only (results travel as numpy arrays)."""
+
+    def __init__(self, num_workers: int, num_envs: int, seed: int = 0, **make_env_kwargs):
+        import torch.multiprocessing as mp
+        if num_envs % num_workers:
+            raise ValueError(f"num_envs={num_envs} must be a multiple of the env workers ({num_workers})")
+        if make_env_kwargs.get("device", "cpu") != "cpu":
+            raise ValueError("env workers are for CPU engines (one process per core); on a GPU use one process")
+        ctx = mp.get_context("spawn")  # a clean interpreter per worker: engines keep process-global state
+        self.num_envs, self.per_worker = num_envs, num_envs // num_workers
+        self.conns, self.procs, self.failed = [], [], set()
+        for w in range(num_workers):
+            parent, child = ctx.Pipe()
+            kwargs = {**make_env_kwargs, "num_envs": self.per_worker, "seed": seed * num_workers + w,
+                      "terrain_seed": seed}
+            proc = ctx.Process(target=_env_worker, args=(child, kwargs), daemon=True, name=f"env-worker-{w}")
+            proc.start()
+            child.close()  # the worker holds the other end: its death now reads as EOF here
+            self.conns.append(parent)
+            self.procs.append(proc)
+        ready = self._gather()
+        self.shared = [r[0] for r in ready]
+        self.obs_layout = ready[0][1]
+        self.psi = _cat([_to_torch(r[2]) for r in ready])
+        self.nan_resets = 0
+
+    def _gather(self) -> list:
+        replies, failure = [], None
+        for w, conn in enumerate(self.conns):  # read every reply: no worker is left mid-message
+            try:
+                status, reply = conn.recv()
+            except (EOFError, OSError):
+                self.procs[w].join(1)
+                status, reply = "error", f"died (exit code {self.procs[w].exitcode})"
+            if status == "error":
+                self.failed.add(w)
+                failure = failure or f"env worker {w} failed:\n{reply}"
+            replies.append(reply)
+        if failure:
+            self.close()
+            raise RuntimeError(failure)
+        return replies
+
+    def _call(self, cmd: str, data: list | None = None) -> list:
+        for w, conn in enumerate(self.conns):
+            conn.send((cmd, None if data is None else data[w]))
+        return self._gather()
+
+    def _obs(self) -> dict[str, torch.Tensor]:
+        return {k: torch.cat([s[k] for s in self.shared]) for k in self.shared[0]}
+
+    def reset(self) -> dict[str, torch.Tensor]:
+        self.psi = _cat([_to_torch(r) for r in self._call("reset")])
+        return self._obs()
+
+    def step(self, alpha: torch.Tensor):
+        chunks = alpha.detach().cpu().split(self.per_worker)
+        replies = self._call("step", [c.contiguous().numpy() for c in chunks])
+        reward, done, info, self.psi = (_cat([_to_torch(r[i]) for r in replies]) for i in range(4))
+        self.nan_resets = info["nan_resets"]
+        return self._obs(), reward, done, info
+
+    def get_rng_state(self) -> list[torch.Tensor]:
+        return self._call("get_rng_state")
+
+    def set_rng_state(self, states: list[torch.Tensor]):
+        if len(states) != len(self.conns):
+            raise ValueError(f"{len(states)} env RNG states for {len(self.conns)} env workers (resume with the "
+                             f"checkpoint's --env-workers)")
+        self._call("set_rng_state", states)
+
+    def close(self):
+        for w, (conn, proc) in enumerate(zip(self.conns, self.procs)):
+            if proc.is_alive() and w not in self.failed:
+                with contextlib.suppress(OSError, EOFError):
+                    conn.send(("close", None))
+                    if conn.poll(30):
+                        conn.recv()
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.conns, self.procs = [], []
 
 
 # ----------------------------------------------------------------------------------------------------------------

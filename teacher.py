@@ -56,6 +56,10 @@ class Args:
     """the 'w/o HCDR' ablation: no history token"""
     num_envs: int = 4096
     """parallel environments"""
+    env_workers: int = 1
+    """env processes (num_envs split evenly): a CPU engine steps on one core, so use one per core on a CPU"""
+    performance_mode: bool = False
+    """Genesis: kernels compiled for this num_envs (2x faster CPU physics; ~70 s compile at every start)"""
     total_env_steps: int = 1_000_000_000
     """control steps to train for (all envs together)"""
     num_steps: int = 32
@@ -114,10 +118,11 @@ class Args:
 
 PRESETS = {
     "paper": Args(),
-    "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=64, total_env_steps=200_000,
-                num_steps=24, minibatch_size=768, update_epochs=2, actor_lr=1e-4, desired_kl=0.01, critic_lr=3e-4, log_std=-2.0,
+    "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=128, env_workers=2,
+                performance_mode=True, total_env_steps=200_000,
+                num_steps=24, minibatch_size=768, update_epochs=1, actor_lr=1e-4, desired_kl=0.01, critic_lr=3e-4, log_std=-2.0,
                 d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256, terrain_dim=64, critic_dim=256,
-                hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=1),
+                hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=2),
 }
 # The env keys the teacher reads; their shapes are checked against the checkpoint's observation layout.
 TEACHER_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask", "critic")
@@ -293,9 +298,12 @@ def env_kwargs(args) -> dict:
     return dict(sim=args.sim, motions=args.motions, terrain=args.terrain, dr=None if args.no_dr else "default")
 
 
-def build_env(cfg: dict, num_envs: int, device: str, seed: int, **overrides):
+def build_env(cfg: dict, num_envs: int, device: str, seed: int, workers: int = 1, **overrides):
+    """The env from a checkpoint's env_kwargs; workers > 1: that many env processes (envs.EnvWorkers)."""
     cfg = {**cfg, **overrides}
     dr = envs.DR() if cfg.pop("dr") == "default" else None
+    if workers > 1:  # CPU engines: one env process per core
+        return envs.EnvWorkers(workers, num_envs, seed, device=device, dr=dr, **cfg)
     return envs.make_env(num_envs=num_envs, device=device, dr=dr, seed=seed, **cfg)
 
 
@@ -343,7 +351,8 @@ def main(args: Args):
     args.run_dir = str(run_dir)
     print("teacher configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
 
-    env = build_env(env_kwargs(args), args.num_envs, args.device, args.seed)
+    fast = {"performance_mode": True} if args.performance_mode and args.sim == "genesis" else {}
+    env = build_env(env_kwargs(args), args.num_envs, args.device, args.seed, args.env_workers, **fast)
     obs = env.reset()
     layout = env.obs_layout
     agent = Agent(layout, args).to(device)
@@ -360,7 +369,7 @@ def main(args: Args):
         torch.set_rng_state(resume["rng"]["torch"])
         np.random.set_state(resume["rng"]["numpy"])
         random.setstate(resume["rng"]["python"])
-        env.gen.set_state(resume["rng"]["env"])  # the env's clip/psi/push sequence continues
+        env.set_rng_state(resume["rng"]["env"])  # the env's clip/psi/push sequence continues
         print(f"resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
 
     from torch.utils.tensorboard import SummaryWriter
@@ -373,7 +382,7 @@ def main(args: Args):
             "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
             "global_step": global_step, "iteration": iteration,
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                    "env": env.gen.get_state()}})
+                    "env": env.get_rng_state()}})
 
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish the iteration, save, exit
@@ -454,8 +463,9 @@ def main(args: Args):
                 actor_opt.step()
                 critic_opt.step()
 
-        # observation statistics: updated after the PPO update (the update must see the rollout's normalization)
-        agent.update_norms(buf_obs)
+        # observation statistics: updated after the PPO update (the update must see the rollout's normalization),
+        # from every 4th rollout step (consecutive steps are nearly the same states: a quarter of the cost)
+        agent.update_norms({k: v[::4] for k, v in buf_obs.items()})
 
         # logging: TensorBoard + one line per iteration
         elapsed = time.time() - start_time
@@ -483,6 +493,7 @@ def main(args: Args):
             checkpoint()
     checkpoint()
     writer.close()
+    env.close()
     if (run_dir / "metrics.jsonl").exists():
         plot_learning_curve(run_dir)
     print(f"saved {ckpt_path} and {run_dir / 'learning_curve.png'}")
