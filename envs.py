@@ -1167,6 +1167,32 @@ class Bench:
     """domain randomization on"""
     torch_threads: int = 1
     """torch intra-op threads (1 is fastest for small batched ops on a 2-core machine)"""
+    workers: int = 1
+    """> 1: time EnvWorkers (num_envs split over that many processes) instead of the raw-engine comparison"""
+    performance_mode: bool = False
+    """Genesis performance mode (kernels compiled for this env count)"""
+
+
+def bench_workers(args: Bench) -> dict[str, float]:
+    """env-steps/s of EnvWorkers: the env as a trainer with --env-workers sees it (PD on the reference)."""
+    torch.set_num_threads(args.torch_threads)
+    t0 = time.time()
+    fast = {"performance_mode": True} if args.performance_mode else {}
+    env = EnvWorkers(args.workers, args.num_envs, 0, sim=args.sim, device=args.device, motions=args.motions,
+                     dr=DR() if args.dr else None, terrain=args.terrain, **fast)
+    obs = env.reset()
+    build_s = time.time() - t0
+    for _ in range(10):
+        obs = env.step(obs["ref_dof_pos"])[0]
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        obs = env.step(obs["ref_dof_pos"])[0]
+    rate = args.num_envs * args.steps / (time.perf_counter() - start)
+    env.close()
+    print(f"{args.sim} ({args.device}), {args.num_envs} envs in {args.workers} processes, terrain {args.terrain}, DR "
+          f"{'on' if args.dr else 'off'}, performance mode {'on' if args.performance_mode else 'off'}: HoRD env "
+          f"{rate:,.0f} env-steps/s (build {build_s:.0f} s)")
+    return {"build_s": build_s, "env_steps_per_s": rate}
 
 
 def bench(args: Bench) -> dict[str, float]:
@@ -1174,9 +1200,12 @@ def bench(args: Bench) -> dict[str, float]:
     measured two ways: (a) inside our env, the time spent in the engine's physics step alone during the same steps
     (same robots, same motions and contacts: the ratio ours/raw = the share of wall time that is physics); (b) the
     engine alone holding the reset pose with the same PD, no task logic (a contact-light ceiling)."""
+    if args.workers > 1:
+        return bench_workers(args)
     torch.set_num_threads(args.torch_threads)
     t0 = time.time()
-    env = make_env(args.sim, args.num_envs, args.device, args.motions, DR() if args.dr else None, args.terrain)
+    env = make_env(args.sim, args.num_envs, args.device, args.motions, DR() if args.dr else None, args.terrain,
+                   performance_mode=args.performance_mode)
     obs = env.reset()
     build_s = time.time() - t0
     sim, n = env.sim, args.num_envs

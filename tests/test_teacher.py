@@ -94,8 +94,8 @@ def test_real_run_learns_resumes_and_is_deterministic(train_packet, tmp_path):
     dozen iterations the critic's value loss falls and its explained variance rises (the tracking reward: the test
     below)."""
     common = dict(motions=str(train_packet), num_envs=32, num_steps=24, checkpoint_every=100, env_workers=1,
-                  performance_mode=False, torch_threads=1)
-    per_it = 32 * 24
+                  performance_mode=False, torch_threads=1, update_epochs=2)  # in-process, fast to build; 2 epochs:
+    per_it = 32 * 24                                                              # the critic margin below needs them
     run_a = teacher.main(small_args(run_dir=str(tmp_path / "a"), total_env_steps=2 * per_it, **common))
     teacher.main(small_args(run_dir=str(tmp_path / "b"), total_env_steps=per_it, **common))
     log_a, log_b = teacher.read_log(tmp_path / "a"), teacher.read_log(tmp_path / "b")
@@ -120,26 +120,22 @@ def test_real_run_learns_resumes_and_is_deterministic(train_packet, tmp_path):
     assert sum(explained[-3:]) / 3 > 0.5 and sum(explained[-3:]) > sum(explained[:3]) + 0.5, explained
 
 
-SPOILED_JOINTS = [0, 3, 6, 9]  # left/right hip pitch and knee (ssjr.DOF_NAMES order)
-SPOIL_RAD = 0.15
-
 
 @pytest.mark.slow
 def test_tracking_reward_improves_in_a_short_real_run(train_packet, tmp_path):
-    """PPO raises the tracking reward of a real run (one clip, Genesis CPU, ~2 minutes). From the preset's start
-    (residual 0: PD on the reference) the reward rises by ~10 % per 1e5 samples (README), too slow for a unit test,
-    so this run starts from a spoiled policy: hip-pitch and knee targets offset by +-0.15 rad, an error PPO must learn
-    to remove. The fixed std (e^-2) and the KL target bound how far the mean may move per iteration, so the test
-    allows a KL target of 0.05. Measured margins over seeds 0-2 are in the assertion message's neighbourhood."""
-    common = dict(motions=str(train_packet), num_envs=32, num_steps=24, checkpoint_every=100, env_workers=1,
-                  performance_mode=False, torch_threads=1)
-    per_it, iterations = 32 * 24, ITERATIONS
-    path = teacher.main(small_args(run_dir=str(tmp_path), total_env_steps=per_it, **common))
-    ckpt = torch.load(path, weights_only=False)
-    ckpt["model"]["actor.head.6.bias"][SPOILED_JOINTS] = SPOIL_RAD * torch.tensor([1.0, -1.0, 1.0, -1.0])
-    ckpt["args"]["desired_kl"] = 0.05
-    teacher.save_checkpoint(path, ckpt)
-    teacher.main(small_args(resume=str(path), total_env_steps=(1 + iterations) * per_it))
-    reward = teacher.read_log(tmp_path)["charts/mean_reward"][1:]  # the spoiled policy's iterations
-    first, last = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
-    assert last > first + MARGIN, reward
+    """The cpu preset as users run it (128 Genesis envs in 2 env processes, performance mode) on one clip for 38
+    iterations (117k env-steps, ~3 minutes here): the mean tracking reward per step and the mean episode return of
+    iterations 31-38 beat those of iterations 3-10 (iterations 1-2 only see the short episodes that ended first).
+    Measured with seed 0 (same seed, same device -> same numbers): reward 0.889 -> 0.921, return 36.0 -> 39.0
+    (x1.08); with 1 learner thread 0.886 -> 0.908, x1.08. The margins are half of that."""
+    try:
+        teacher.main(small_args(motions=str(train_packet), total_env_steps=38 * 128 * 24, run_dir=str(tmp_path),
+                                checkpoint_every=100))
+    finally:
+        torch.set_num_threads(1)  # the preset's learner threads; the rest of the session runs single-threaded
+    log = teacher.read_log(tmp_path)
+    assert log["iteration"][-1] == 38 and small_args().num_envs == 128 and small_args().env_workers == 2
+    mean = lambda xs: sum(xs) / len(xs)
+    reward, ret = log["charts/mean_reward"], log["charts/episode_return"]
+    assert mean(reward[30:38]) > mean(reward[2:10]) + 0.01, reward
+    assert mean(ret[30:38]) > 1.04 * mean(ret[2:10]), ret
