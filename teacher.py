@@ -351,8 +351,8 @@ def main(args: Args):
     args.run_dir = str(run_dir)
     print("teacher configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
 
-    fast = {"performance_mode": True} if args.performance_mode and args.sim == "genesis" else {}
-    env = build_env(env_kwargs(args), args.num_envs, args.device, args.seed, args.env_workers, **fast)
+    env = build_env(env_kwargs(args), args.num_envs, args.device, args.seed, args.env_workers,
+                    performance_mode=args.performance_mode)  # make_env applies it to Genesis only
     obs = env.reset()
     layout = env.obs_layout
     agent = Agent(layout, args).to(device)
