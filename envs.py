@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 import ssjr
-from ssjr import quat_apply, quat_conj, quat_mul, rot6d, yaw_quat
+from ssjr import quat_apply, quat_conj, quat_mul, rot6d, rotate_z, yaw_quat, yaw_rad
 
 PHYSICS_DT_S = 0.005  # 200 Hz physics
 SPARSE_STATE_DIM = 64  # s in each (s, alpha) pair of H_t and in the student's proprio (see the table above)
@@ -215,12 +215,14 @@ SCAN_XY_M = torch.stack(torch.meshgrid(torch.linspace(-0.5, 0.5, 11), torch.lins
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Motion library: SSJR packets (30 fps) sampled at any time with interpolation.
+# Motion library: SSJR packets (30 fps), resampled once to the 50 Hz control ticks the env reads.
 # ----------------------------------------------------------------------------------------------------------------
 class MotionLib:
-    """All clips concatenated on the device; `sample(clip, t_s)` interpolates (lerp positions, slerp rotations)."""
+    """All clips concatenated on the device. At load every clip is resampled to the control rate (lerp positions and
+    velocities, slerp rotations); episodes start on a control tick, so the env reads the reference by indexing
+    (`at_tick`) instead of interpolating every step."""
 
-    def __init__(self, packet_paths: list[pathlib.Path], device):
+    def __init__(self, packet_paths: list[pathlib.Path], device, dt_s: float = CONTROL_DT_S):
         if not packet_paths:
             raise ValueError("MotionLib: no motion packets given (run `python ssjr.py convert ...` first)")
         packets = [ssjr.load_packet(p) for p in packet_paths]
@@ -232,24 +234,36 @@ class MotionLib:
         self.length_s = (self.num_frames - 1) / self.fps
         self.start = torch.cumsum(self.num_frames, 0) - self.num_frames
         cat = lambda k: torch.as_tensor(np.concatenate([p[k] for p in packets]), dtype=torch.float32, device=device)
-        self.body_pos, self.body_quat = cat("body_pos_w"), cat("body_quat_w")
-        self.body_lin_vel, self.body_ang_vel = cat("body_lin_vel_w"), cat("body_ang_vel_w")
-        self.dof_pos, self.dof_vel = cat("dof_pos"), cat("dof_vel")
+        self.frames = {"body_pos": cat("body_pos_w"), "body_quat": cat("body_quat_w"),
+                       "body_lin_vel": cat("body_lin_vel_w"), "body_ang_vel": cat("body_ang_vel_w"),
+                       "dof_pos": cat("dof_pos"), "dof_vel": cat("dof_vel")}
+        # the control-tick table: tick k of a clip is its state at k * dt_s, k = 0 .. num_ticks - 1 (<= the clip end)
+        self.num_ticks = torch.floor(self.length_s / dt_s + 1e-4).long() + 1
+        self.tick_start = torch.cumsum(self.num_ticks, 0) - self.num_ticks
+        clip = torch.repeat_interleave(torch.arange(len(packets), device=device), self.num_ticks)
+        tick = torch.arange(len(clip), device=device) - self.tick_start[clip]
+        self.ticks = self.sample(clip, tick * dt_s)
+        self.dof_pos = self.ticks["dof_pos"]
 
     def __len__(self):
         return len(self.names)
 
     def sample(self, clip: torch.Tensor, t_s: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Reference state of `clip` [M] at time `t_s` [M] (clamped to the clip)."""
+        """Reference state of `clip` [M] at time `t_s` [M] (clamped to the clip), interpolated between 30 fps frames."""
         f = (t_s.clamp(min=0) * self.fps[clip]).clamp(max=(self.num_frames[clip] - 1).float())
         i0 = f.floor().long()
         i1 = torch.minimum(i0 + 1, self.num_frames[clip] - 1)
         w = (f - i0)
         i0, i1 = i0 + self.start[clip], i1 + self.start[clip]
         lerp = lambda x: x[i0] + (x[i1] - x[i0]) * w.view(-1, *[1] * (x.dim() - 1))
-        return {"body_pos": lerp(self.body_pos), "body_lin_vel": lerp(self.body_lin_vel),
-                "body_ang_vel": lerp(self.body_ang_vel), "dof_pos": lerp(self.dof_pos), "dof_vel": lerp(self.dof_vel),
-                "body_quat": ssjr.quat_slerp(self.body_quat[i0], self.body_quat[i1], w[:, None])}
+        out = {k: lerp(v) for k, v in self.frames.items() if k != "body_quat"}
+        out["body_quat"] = ssjr.quat_slerp(self.frames["body_quat"][i0], self.frames["body_quat"][i1], w[:, None])
+        return out
+
+    def at_tick(self, clip: torch.Tensor, tick: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Reference state of `clip` [M] at control tick `tick` [M] (clamped to the clip): a gather, no arithmetic."""
+        i = torch.minimum(tick.clamp(min=0), self.num_ticks[clip] - 1) + self.tick_start[clip]
+        return {k: v[i] for k, v in self.ticks.items()}
 
 
 # A neutral standing pose (rad), used where a motion gives no joint angles (human keypoint commands).
@@ -329,12 +343,12 @@ class GenesisSim:
         self.scene.build(n_envs=num_envs)
         names = [link.name for link in self.robot.links]
         self.links = [names.index(b) for b in ssjr.BODY_NAMES]
+        self.links_global = [self.robot.links[i].idx for i in self.links]  # the solver's link numbering
         self.dofs = [self.robot.get_joint(j).dofs_idx_local[0] for j in ssjr.DOF_NAMES]
         self.dof_names, self.body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
         self.torso = ssjr.BODY_NAMES.index("torso_link")
         self.feet = [self.links[ssjr.BODY_NAMES.index(f)] for f in FEET]
         self.default_body_mass_kg = self._t(self.robot.get_links_mass(self.links))
-        self.default_inertia = self._t(self.robot.get_links_inertia(self.links))  # kg m^2 [N,30,3,3]
         self.default_torso_com = self._t(self.robot.get_links_COM([self.links[self.torso]]))[:, 0]
         self.robot.set_dofs_kp(torch.zeros(num_envs, 29), self.dofs)
         self.robot.set_dofs_kv(torch.zeros(num_envs, 29), self.dofs)
@@ -374,10 +388,7 @@ class GenesisSim:
     def set_body_mass(self, env_ids, mass_kg):
         """Masses [n,30]; inertias scale with the same per-body ratio (as in IsaacLabSim: a heavier body of the
         same shape)."""
-        ratio = mass_kg / self.default_body_mass_kg[env_ids]
-        self.robot.set_links_mass(mass_kg, self.links, envs_idx=env_ids)
-        self.robot.set_links_inertia(self.default_inertia[env_ids] * ratio[..., None, None], self.links,
-                                     envs_idx=env_ids)
+        self.scene.sim.rigid_solver.set_links_mass(mass_kg, self.links_global, envs_idx=env_ids, scale_inertia=True)
 
     def set_com_offset(self, env_ids, offset_m):
         com = self.default_torso_com[env_ids] + offset_m
@@ -719,7 +730,7 @@ class TrackingEnv:
         self.spawn_xy = torch.as_tensor(terrain.spawn_xy_m, device=dev)
         # per-env episode state
         self.clip = torch.zeros(n, dtype=torch.long, device=dev)
-        self.t0_s = torch.zeros(n, device=dev)
+        self.tick0 = torch.zeros(n, dtype=torch.long, device=dev)  # the clip's control tick at episode start
         self.step_count = torch.zeros(n, dtype=torch.long, device=dev)
         self.ref_offset = torch.zeros(n, 3, device=dev)  # world offset of the reference (tile spawn point)
         self.next_clip = torch.arange(n, device=dev) % len(motion_lib)
@@ -736,7 +747,7 @@ class TrackingEnv:
         self.default_mass = sim.default_body_mass_kg.clone()
         self.obs_layout: dict[str, list[int]] = {}
         # one reference window per step: t-7..t (student past), t+1..t+2 (student future) / t+1..t+8 (teacher)
-        self.window_s = torch.arange(1 - self.STUDENT_PAST, self.FUTURE_STEPS + 1, device=dev) * CONTROL_DT_S
+        self.window_steps = torch.arange(1 - self.STUDENT_PAST, self.FUTURE_STEPS + 1, device=dev)
 
     def close(self):
         self.sim.close()
@@ -749,21 +760,21 @@ class TrackingEnv:
         self.gen.set_state(state)
 
     # --- reference ------------------------------------------------------------------------------------------------
-    def time_s(self) -> torch.Tensor:
-        return self.t0_s + self.step_count * CONTROL_DT_S
+    def tick(self) -> torch.Tensor:
+        """The clip's control tick now (clip time = tick * CONTROL_DT_S)."""
+        return self.tick0 + self.step_count
 
-    def reference(self, dt_s: float | torch.Tensor = 0.0, env_ids=None) -> dict[str, torch.Tensor]:
-        """Reference state at episode time + dt_s, placed in the world (tile offset, terrain height under its root).
-        dt_s: a float, or offsets [K] -> every field gets a window axis: [N, K, ...]."""
+    def reference(self, steps: int | torch.Tensor = 0, env_ids=None) -> dict[str, torch.Tensor]:
+        """Reference state `steps` control steps from now, placed in the world (tile offset, terrain height under its
+        root). steps: an int, or offsets [K] -> every field gets a window axis: [N, K, ...]."""
         ids = slice(None) if env_ids is None else env_ids
-        clip, t_s = self.clip[ids], self.time_s()[ids]
-        offset = self.ref_offset[ids]
-        window = torch.is_tensor(dt_s)
-        if window:  # sample all N*K (env, time) pairs in one call
-            k = len(dt_s)
-            clip, t_s = clip.repeat_interleave(k), (t_s[:, None] + dt_s).flatten()
+        clip, tick, offset = self.clip[ids], self.tick()[ids], self.ref_offset[ids]
+        window = torch.is_tensor(steps)
+        if window:  # read all N*K (env, tick) pairs in one gather
+            k = len(steps)
+            clip, tick = clip.repeat_interleave(k), (tick[:, None] + steps).flatten()
             offset = offset.repeat_interleave(k, 0)
-        ref = self.motions.sample(clip, t_s + (0.0 if window else dt_s))
+        ref = self.motions.at_tick(clip, tick + (0 if window else steps))
         pos = ref["body_pos"] + offset[:, None]
         pos[..., 2] += self.terrain.height_at(pos[:, 0, :2])[:, None]
         ref["body_pos"] = pos
@@ -789,14 +800,14 @@ class TrackingEnv:
         if self.start == "frame0":
             self.clip[ids] = self.next_clip[ids]
             self.next_clip[ids] = (self.next_clip[ids] + self.num_envs) % len(lib)
-            self.t0_s[ids] = 0.0
-        else:  # reference-state init anywhere in the library, at least 1 s before the clip end
+            self.tick0[ids] = 0
+        else:  # reference-state init on any control tick of the library, at least 1 s before the clip end
             self.clip[ids] = torch.randint(len(lib), (m,), generator=self.gen, device=dev)
-            span = (lib.length_s[self.clip[ids]] - 1.0).clamp(min=0.0)
-            self.t0_s[ids] = torch.rand(m, generator=self.gen, device=dev) * span
+            span_s = (lib.length_s[self.clip[ids]] - 1.0).clamp(min=0.0)
+            self.tick0[ids] = (torch.rand(m, generator=self.gen, device=dev) * span_s / CONTROL_DT_S).long()
         self.step_count[ids] = 0
         tile = torch.multinomial(self.tile_weights, m, replacement=True, generator=self.gen)
-        start = lib.sample(self.clip[ids], self.t0_s[ids])
+        start = lib.at_tick(self.clip[ids], self.tick0[ids])
         self.ref_offset[ids, :2] = self.spawn_xy[tile] - start["body_pos"][:, 0, :2]
         # psi: this episode's hidden dynamics
         psi = sample_psi(self.dr, m, self.gen, dev)
@@ -870,7 +881,7 @@ class TrackingEnv:
         max_err = torch.where(self.motions.keypoints_only[self.clip], metrics["max_keypoint_err_m"],
                               metrics["max_body_err_m"])
         failed = max_err > TERMINATION_ERR_M
-        time_out = self.time_s() >= self.motions.length_s[self.clip] - 1e-6
+        time_out = self.tick() >= self.motions.num_ticks[self.clip] - 1
         blown_up = self.sim.nan_envs() | ~torch.isfinite(body[0]).all(-1).all(-1) | ~torch.isfinite(q).all(-1)
         reward = torch.where(blown_up, torch.zeros_like(reward), reward)
         failed = failed | blown_up
@@ -902,15 +913,15 @@ class TrackingEnv:
         pos, quat, lin, ang = body
         n, dev = self.num_envs, self.device
         root_pos, root_quat = pos[:, 0], quat[:, 0]
-        inv_heading = quat_conj(yaw_quat(root_quat))
-        ih = inv_heading[:, None]
+        yaw = yaw_rad(root_quat)  # vectors go to the heading frame by rotate_z(v, -yaw)
+        ih = quat_conj(yaw_quat(root_quat))[:, None]
         # privileged proprio at t
         ground = self.terrain.height_at(root_pos[:, :2])
         proprio = torch.cat([
             (root_pos[:, 2] - ground)[:, None],
-            quat_apply(ih, pos[:, 1:] - root_pos[:, None]).flatten(1),
+            rotate_z(pos[:, 1:] - root_pos[:, None], -yaw[:, None]).flatten(1),
             rot6d(quat_mul(ih.expand_as(quat), quat)).flatten(1),
-            quat_apply(ih, lin).flatten(1), quat_apply(ih, ang).flatten(1),
+            rotate_z(lin, -yaw[:, None]).flatten(1), rotate_z(ang, -yaw[:, None]).flatten(1),
             q, qd, self.last_alpha], -1)
         sparse = torch.cat([self.sparse_state(body, q, qd), self.last_alpha], -1)
         fresh = self._fresh[:, None, None]
@@ -922,21 +933,21 @@ class TrackingEnv:
             setattr(self, name, torch.where(fresh, new[:, None], stack))
         self._fresh[:] = False
         # dense future reference (teacher) at t+1..t+8 and SSJR keypoint commands (student) at t-7..t+2
-        ref = self.reference(self.window_s)
+        ref = self.reference(self.window_steps)
         fut = {k: v[:, self.STUDENT_PAST:] for k, v in ref.items()}
         ihf = ih.expand(n, self.FUTURE_STEPS, 4)[:, :, None]
+        yaw_f = -yaw[:, None, None]
         future = torch.cat([
-            quat_apply(ihf, fut["body_pos"] - root_pos[:, None, None]).flatten(2),
-            quat_apply(ihf, fut["body_pos"] - pos[:, None]).flatten(2),
+            rotate_z(fut["body_pos"] - root_pos[:, None, None], yaw_f).flatten(2),
+            rotate_z(fut["body_pos"] - pos[:, None], yaw_f).flatten(2),
             rot6d(quat_mul(ihf.expand_as(fut["body_quat"]), fut["body_quat"])).flatten(2),
-            quat_apply(ihf, fut["body_lin_vel"]).flatten(2), quat_apply(ihf, fut["body_ang_vel"]).flatten(2),
+            rotate_z(fut["body_lin_vel"], yaw_f).flatten(2), rotate_z(fut["body_ang_vel"], yaw_f).flatten(2),
             fut["dof_pos"]], -1)
         ref_dof_pos = fut["dof_pos"][:, 0]
         kp_w = ref["body_pos"][:, :self.STUDENT_PAST + self.STUDENT_FUTURE, self.keypoint_ids]
         keypoints = ssjr.root_relative(kp_w, root_pos[:, None], root_quat[:, None]).flatten(2)
         # g_t: height scan around the root in the heading frame
-        heading = yaw_quat(root_quat)[:, None].expand(n, len(self.scan_xy), 4)
-        scan_w = quat_apply(heading, torch.nn.functional.pad(self.scan_xy, (0, 1)).expand(n, -1, 3))[..., :2]
+        scan_w = rotate_z(torch.nn.functional.pad(self.scan_xy, (0, 1)), yaw[:, None])[..., :2]
         terrain = root_pos[:, 2:3] - self.terrain.height_at(scan_w + root_pos[:, None, :2])
         psi = torch.stack([self.psi[k] for k in PSI_KEYS], -1)
         obs = {"proprio": self.proprio_buf.clone(), "future": future, "ref_dof_pos": ref_dof_pos,

@@ -185,10 +185,24 @@ def quat_slerp(q0: torch.Tensor, q1: torch.Tensor, t: torch.Tensor | float) -> t
     return quat_normalize(s0 * q0 + s1 * q1)
 
 
+def yaw_rad(q: torch.Tensor) -> torch.Tensor:
+    """The heading of q [...,4]: its rotation about world z (rad)."""
+    w, x, y, z = q.unbind(-1)
+    return torch.atan2(2 * (w * z + x * y), 1 - 2 * (y * y + z * z))
+
+
+def rotate_z(v: torch.Tensor, angle_rad: torch.Tensor) -> torch.Tensor:
+    """Rotate vectors v [...,3] about world z by angle_rad [...] (broadcast over v's leading axes); 4x cheaper than a
+    quaternion apply for the heading frames the observations use."""
+    c, s = torch.cos(angle_rad), torch.sin(angle_rad)
+    x, y, z = v.unbind(-1)
+    rx, ry = c * x - s * y, s * x + c * y
+    return torch.stack((rx, ry, z.expand_as(rx)), -1)
+
+
 def yaw_quat(q: torch.Tensor) -> torch.Tensor:
     """The heading part of q: a rotation about world z by q's yaw."""
-    w, x, y, z = q.unbind(-1)
-    yaw = torch.atan2(2 * (w * z + x * y), 1 - 2 * (y * y + z * z))
+    yaw = yaw_rad(q)
     zero = torch.zeros_like(yaw)
     return torch.stack((torch.cos(0.5 * yaw), zero, zero, torch.sin(0.5 * yaw)), dim=-1)
 
@@ -207,8 +221,7 @@ def rot6d(q: torch.Tensor) -> torch.Tensor:
 
 def root_relative(points_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> torch.Tensor:
     """Points [...,J,3] in the heading-aligned root frame: origin at the root, x forward, z = world up."""
-    heading_inv = quat_conj(yaw_quat(root_quat_w))[..., None, :]
-    return quat_apply(heading_inv, points_w - root_pos_w[..., None, :])
+    return rotate_z(points_w - root_pos_w[..., None, :], -yaw_rad(root_quat_w)[..., None])
 
 
 # ---------------------------------------------------------------------------------------------------------------------

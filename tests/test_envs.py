@@ -58,7 +58,7 @@ def test_kinematic_replay_earns_near_maximal_reward(env):
         step(tau)
         substeps[0] += 1
         if substeps[0] % envs.DECIMATION == 0:  # the state the env will read: the reference one control step on
-            ref = env.reference(envs.CONTROL_DT_S)
+            ref = env.reference(1)
             env.sim.write_state(all_ids(env), ref["body_pos"][:, 0], ref["body_quat"][:, 0],
                                 ref["body_lin_vel"][:, 0], ref["body_ang_vel"][:, 0], ref["dof_pos"],
                                 ref["dof_vel"])
@@ -109,6 +109,13 @@ def test_control_delay_shifts_the_torque_step_by_d_physics_steps(env):
 def test_gravity_and_mass_reach_the_engine(env):
     env.reset()
     ids = all_ids(env)
+    if isinstance(env.sim, envs.GenesisSim):  # inertia scales with the mass ratio against the default, not cumulatively
+        env.sim.set_body_mass(ids, env.default_mass)
+        inertia0 = torch.as_tensor(env.sim.robot.get_links_inertia(env.sim.links)).clone()
+        env.sim.set_body_mass(ids, env.default_mass * 1.3)
+        env.sim.set_body_mass(ids, env.default_mass * 0.8)
+        inertia = torch.as_tensor(env.sim.robot.get_links_inertia(env.sim.links))
+        assert torch.allclose(inertia, inertia0 * 0.8, rtol=1e-4, atol=1e-8)
     heavy = env.default_mass * 1.1
     env.sim.set_body_mass(ids, heavy)
     if isinstance(env.sim, envs.GenesisSim):  # read the masses back from the engine
