@@ -39,6 +39,7 @@ import pathlib
 import shutil
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -243,7 +244,7 @@ class MotionLib:
         clip = torch.repeat_interleave(torch.arange(len(packets), device=device), self.num_ticks)
         tick = torch.arange(len(clip), device=device) - self.tick_start[clip]
         self.ticks = self.sample(clip, tick * dt_s)
-        self.dof_pos = self.ticks["dof_pos"]
+        self.mean_dof_pos = self.ticks["dof_pos"].mean(0)  # the motions' average pose (the student's nominal action)
 
     def __len__(self):
         return len(self.names)
@@ -1040,7 +1041,8 @@ def _env_worker(conn, make_env_kwargs: dict):
         env = make_env(**make_env_kwargs)
         obs = env.reset()
         shared = {k: v.clone().share_memory_() for k, v in obs.items()}
-        conn.send(("ready", (shared, env.obs_layout, _to_numpy(env.psi))))
+        motions = {"names": env.motions.names, "mean_dof_pos": env.motions.mean_dof_pos}
+        conn.send(("ready", (shared, env.obs_layout, _to_numpy(env.psi), motions)))
         while True:
             cmd, data = conn.recv()
             if cmd == "step":
@@ -1072,7 +1074,8 @@ class EnvWorkers:
     interface the trainers use (reset, step, obs_layout, psi, nan_resets, num_envs, rng state). Worker w's env stream
     is seeded with seed * num_workers + w (disjoint across run seeds); all share the terrain of `seed`. The workers
     step in parallel (a CPU engine runs on one core); results are concatenated in worker order, so the same seed gives
-    the same numbers. CPU only (results travel as numpy arrays)."""
+    the same numbers. CPU only (results travel as numpy arrays). `motions` holds the library's names and mean pose
+    only: the clips stay in the workers."""
 
     def __init__(self, num_workers: int, num_envs: int, seed: int = 0, **make_env_kwargs):
         import torch.multiprocessing as mp
@@ -1081,6 +1084,7 @@ class EnvWorkers:
         if make_env_kwargs.get("device", "cpu") != "cpu":
             raise ValueError("env workers are for CPU engines (one process per core); on a GPU use one process")
         ctx = mp.get_context("spawn")  # a clean interpreter per worker: engines keep process-global state
+        ssjr.g1_mjcf_path()  # fetch the robot model here, once, not in every worker at the same time
         self.num_envs, self.per_worker = num_envs, num_envs // num_workers
         self.conns, self.procs, self.failed = [], [], set()
         for w in range(num_workers):
@@ -1096,6 +1100,7 @@ class EnvWorkers:
         self.shared = [r[0] for r in ready]
         self.obs_layout = ready[0][1]
         self.psi = _cat([_to_torch(r[2]) for r in ready])
+        self.motions = types.SimpleNamespace(**ready[0][3])
         self.nan_resets = 0
 
     def _gather(self) -> list:

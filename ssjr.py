@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,7 +75,12 @@ def g1_mjcf_path() -> pathlib.Path:
                     target = staging / name[len(prefix):]
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(zf.read(name))
-        staging.rename(ASSETS / "unitree_g1")  # atomic: a half-extracted model is never visible
+        try:
+            staging.rename(ASSETS / "unitree_g1")  # atomic: a half-extracted model is never visible
+        except OSError:  # another process (e.g. an env worker) got there first: keep its copy
+            shutil.rmtree(staging)
+            if not xml.exists():
+                raise
     return xml
 
 

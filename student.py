@@ -85,6 +85,10 @@ class Args:
     """initialize the student's HCDR (and its history normalizer) from the teacher's"""
     num_envs: int = 256
     """parallel environments"""
+    env_workers: int = 1
+    """env processes (num_envs split evenly): a CPU engine steps on one core, so use one per core on a CPU"""
+    performance_mode: bool = False
+    """Genesis: kernels compiled for this num_envs (2x faster CPU physics; ~70 s compile at every start)"""
     total_env_steps: int = 100_000_000
     """control steps to distil for (all envs together)"""
     num_steps: int = 32
@@ -141,9 +145,10 @@ class Args:
 
 PRESETS = {
     "paper": Args(),
-    "cpu": Args(preset="cpu", device="cpu", num_envs=32, total_env_steps=100_000, num_steps=24, update_epochs=6,
-                minibatch_size=256, lr=3e-4, d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256,
-                terrain_dim=64, hcdr_queries=4, hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=1),
+    "cpu": Args(preset="cpu", device="cpu", num_envs=32, env_workers=2, total_env_steps=100_000, num_steps=24,
+                update_epochs=6, minibatch_size=256, lr=3e-4, d_model=64, num_layers=2, num_heads=4, ff_dim=128,
+                head_dim=256, terrain_dim=64, hcdr_queries=4, hcdr_dim=32, hcdr_layers=1, checkpoint_every=20,
+                torch_threads=2),
 }
 # The deployable inputs, in the order of the ONNX graph's inputs.
 STUDENT_OBS = ("student_proprio", "student_keypoints", "terrain", "history", "history_mask")
@@ -276,7 +281,10 @@ def train(args: Args, env=None) -> pathlib.Path:
     args.run_dir = str(run_dir)
     print("student configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
 
-    env = env if env is not None else build_env(env_cfg, args.num_envs, args.device, args.seed)
+    own_env = env is None
+    if own_env:
+        env = build_env(env_cfg, args.num_envs, args.device, args.seed, args.env_workers,
+                        performance_mode=args.performance_mode)  # make_env applies it to Genesis only
     obs = env.reset()
     layout = env.obs_layout
     check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
@@ -291,9 +299,10 @@ def train(args: Args, env=None) -> pathlib.Path:
         torch.set_rng_state(resume["rng"]["torch"])
         np.random.set_state(resume["rng"]["numpy"])
         random.setstate(resume["rng"]["python"])
+        env.set_rng_state(resume["rng"]["env"])  # the env's clip/psi/push sequence continues
         print(f"resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
     else:
-        policy.alpha_0.copy_(env.motions.dof_pos.mean(0))
+        policy.alpha_0.copy_(env.motions.mean_dof_pos)
         if args.hcdr_from_teacher:
             init_hcdr_from_teacher(policy, teacher_agent, args.teacher_ckpt)
     policy.eval()
@@ -307,7 +316,8 @@ def train(args: Args, env=None) -> pathlib.Path:
             "kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
             "model": policy.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
             "iteration": iteration, "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}})
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                    "env": env.get_rng_state()}})
 
     stop = {"now": False}
     previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: save, exit
@@ -375,6 +385,8 @@ def train(args: Args, env=None) -> pathlib.Path:
             checkpoint()
     checkpoint()
     writer.close()
+    if own_env:
+        env.close()
     signal.signal(signal.SIGINT, previous_handler)
     saved = f"saved {ckpt_path}"
     if (run_dir / "metrics.jsonl").exists():  # at least one iteration logged

@@ -262,6 +262,8 @@ def test_env_workers_equal_in_process_envs_and_report_worker_errors(train_packet
         obs_w = workers.reset()
         obs_l = [e.reset() for e in local]
         assert workers.obs_layout == local[0].obs_layout
+        assert workers.motions.names == local[0].motions.names
+        assert torch.equal(workers.motions.mean_dof_pos, local[0].motions.mean_dof_pos)
         gen = torch.Generator().manual_seed(0)
         for _ in range(30):
             for k in obs_w:
@@ -281,3 +283,17 @@ def test_env_workers_equal_in_process_envs_and_report_worker_errors(train_packet
         envs.EnvWorkers(2, 4, seed=0, **{**kw, "motions": "missing.npz"})
     with pytest.raises(ValueError, match="multiple of the env workers"):
         envs.EnvWorkers(2, 5, seed=0, **kw)
+
+
+def test_motion_lib_tick_table_matches_interpolated_reference(train_packet):
+    """The 50 Hz tick table equals the interpolated 30 fps packet at tick * CONTROL_DT_S; ticks clamp to the clip."""
+    lib = envs.MotionLib([train_packet, train_packet], "cpu")
+    clip = torch.tensor([0, 1, 1, 0])
+    last = int(lib.num_ticks[0]) - 1
+    assert last * envs.CONTROL_DT_S <= float(lib.length_s[0]) < (last + 1) * envs.CONTROL_DT_S
+    tick = torch.tensor([0, 7, last, last + 5])
+    table = lib.at_tick(clip, tick)
+    exact = lib.sample(clip, torch.tensor([0, 7, last, last]) * envs.CONTROL_DT_S)
+    for k in exact:
+        assert torch.allclose(table[k], exact[k], atol=1e-6), k
+    assert not torch.allclose(table["body_pos"][1], lib.at_tick(clip[1:2], tick[1:2] + 1)["body_pos"][0])

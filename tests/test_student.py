@@ -235,7 +235,7 @@ def test_short_distillation_reduces_action_mse(sim_setup, trained):
           f"success {success:.2f}, mean episode {np.mean([e['steps'] for e in episodes]):.0f} steps")
     assert ckpt["kind"] == "student" and ckpt["global_step"] == N_ENVS * 24 * 8
     assert ckpt["env_cfg"] == torch.load(t_path, weights_only=False)["env_cfg"]
-    assert torch.equal(policy.alpha_0, env.motions.dof_pos.mean(0))  # nominal pose of the motions
+    assert torch.equal(policy.alpha_0, env.motions.mean_dof_pos)  # nominal pose of the motions
 
 
 @pytest.mark.slow
