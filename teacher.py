@@ -164,7 +164,9 @@ def mlp(sizes, act=nn.ELU, last_act=False):
 
 class TokenPolicy(nn.Module):
     """Transformer over observation tokens + the HCDR token; token 0's output -> MLP head -> 29 action means.
-    `token_obs` names the [N, T_i, D_i] observation streams that become tokens (one Linear each)."""
+    `token_obs` names the [N, T_i, D_i] observation streams that become tokens (one Linear each). The first stream is
+    the proprio stack (oldest first in the env); it enters newest first, so token 0, the one read out, is the current
+    self-observation s_t (the paper's 'self-obs token', output of token 0)."""
 
     def __init__(self, layout: dict, token_obs: tuple[str, ...], args, hcdr: bool):
         super().__init__()
@@ -195,6 +197,7 @@ class TokenPolicy(nn.Module):
 
     def forward(self, obs) -> torch.Tensor:
         tokens = [self.embed[k](self.norms[k](obs[k])) for k in self.token_obs]
+        tokens[0] = tokens[0].flip(1)  # s_t, s_t-1, ...: token 0 is the current state
         tokens.append(self.terrain(self.norms["terrain"](obs["terrain"]))[:, None])
         if self.hcdr is not None:
             m_t = self.hcdr(self.history_norm(obs["history"]), obs["history_mask"])
