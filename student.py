@@ -11,7 +11,7 @@ positions and velocities, IMU angular velocity and projected gravity, last PD ta
 g_t, the SSJR sparse keypoint command Y_sparse = `student_keypoints` (root-relative keypoints at t-7..t+2: 8 past + 2
 future steps) and m_t, its own HCDR token over the (s, alpha) history H_t. The backbone is the teacher's
 (teacher.TokenPolicy, same sizes in the paper preset): one token per proprio step and per keypoint step, a terrain
-token, the HCDR token, a transformer encoder, token 0 -> MLP head. The student cannot see the reference joint
+token, the HCDR token, a transformer encoder, token 0 (the current sparse state) -> MLP head. The student cannot see the reference joint
 positions the teacher's residual action is centred on, so it outputs the absolute PD target alpha.
 
 Online DAgger. Each iteration the student drives `num_envs` x `num_steps` control steps (with probability beta per env
