@@ -11,8 +11,9 @@ positions and velocities, IMU angular velocity and projected gravity, last PD ta
 g_t, the SSJR sparse keypoint command Y_sparse = `student_keypoints` (root-relative keypoints at t-7..t+2: 8 past + 2
 future steps) and m_t, its own HCDR token over the (s, alpha) history H_t. The backbone is the teacher's
 (teacher.TokenPolicy, same sizes in the paper preset): one token per proprio step and per keypoint step, a terrain
-token, the HCDR token, a transformer encoder, token 0 (the current sparse state) -> MLP head. The student cannot see the reference joint
-positions the teacher's residual action is centred on, so it outputs the absolute PD target alpha.
+token, the HCDR token, a transformer encoder, token 0 (the current sparse state) -> MLP head. The student cannot see
+the reference joint positions the teacher's residual action is centred on, so it outputs the absolute PD target
+alpha.
 
 Online DAgger. Each iteration the student drives `num_envs` x `num_steps` control steps (with probability beta per env
 and step the executed action is the teacher's instead; beta = beta_0 * beta_decay^(iteration-1), default 0 as in the
