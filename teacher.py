@@ -8,7 +8,8 @@ and HCDR, in one file (CleanRL style).
 The policy reads one token per stacked proprio step (5), one per future reference step (8), a terrain token g_t and
 the HCDR token m_t; a transformer encoder mixes them and the output of token 0 (the current state s_t) goes through an
 MLP head to 29 action means. The action is a residual around the next reference joint positions:
-alpha = q_ref(t+1) + action_scale * a. The critic is a separate MLP on the privileged critic observation (which includes psi).
+alpha = q_ref(t+1) + action_scale * a. The critic is a separate MLP on the privileged critic observation (which
+includes psi).
 """
 from __future__ import annotations
 
