@@ -267,6 +267,66 @@ class MotionLib:
         return {k: v[i] for k, v in self.ticks.items()}
 
 
+class AdaptiveStarts:
+    """Failure-driven reference-state init (the adaptive sampling of BeyondMimic, simplified; the paper does not say
+    how episodes start). Every clip is cut into bins of `bin_s`. The env reports, every control step, which bin each
+    env is in and whether it failed there; decayed sums of both give each bin's failure hazard (failures per step
+    spent in it). An episode starts in bin j with probability
+        (1 - uniform) * w_j / sum(w) + uniform * (start ticks in j) / (all start ticks),
+        w_j = sum_l lookahead**l * hazard_(j+l), l = 0..lookahead_bins (same clip: a fall's cause precedes it),
+    then on a uniform tick of the bin. Starts stay >= 1 s before the clip end, as for uniform starts."""
+
+    def __init__(self, motions: MotionLib, dt_s: float = CONTROL_DT_S, bin_s: float = 0.5, uniform: float = 0.2,
+                 lookahead: float = 0.6, lookahead_bins: int = 3, decay: float = 0.998):
+        dev = motions.num_ticks.device
+        self.uniform, self.decay = uniform, decay
+        self.bin_ticks = max(1, round(bin_s / dt_s))
+        self.last_start_tick = (((motions.length_s - 1.0).clamp(min=0.0) / dt_s) + 1e-4).long()  # per clip
+        self.num_bins = (motions.num_ticks + self.bin_ticks - 1) // self.bin_ticks
+        self.bin_start = torch.cumsum(self.num_bins, 0) - self.num_bins
+        self.bin_clip = torch.repeat_interleave(torch.arange(len(motions), device=dev), self.num_bins)
+        self.bin_first_tick = (torch.arange(len(self.bin_clip), device=dev) - self.bin_start[self.bin_clip]) * self.bin_ticks
+        # start ticks in each bin: bin_first_tick .. min(bin_first_tick + bin_ticks, last_start_tick + 1) - 1
+        end = torch.minimum(self.bin_first_tick + self.bin_ticks, self.last_start_tick[self.bin_clip] + 1)
+        self.start_ticks = (end - self.bin_first_tick).clamp(min=0)
+        # bin j + l of the same clip (or -1), for the lookahead kernel
+        later = torch.arange(len(self.bin_clip), device=dev)[:, None] + torch.arange(lookahead_bins + 1, device=dev)
+        same = later < (self.bin_start + self.num_bins)[self.bin_clip][:, None]
+        self.later = torch.where(same, later, -1)
+        self.kernel = lookahead ** torch.arange(lookahead_bins + 1, device=dev, dtype=torch.float32)
+        self.failures = torch.zeros(len(self.bin_clip), device=dev)  # decayed sums
+        self.steps = torch.zeros(len(self.bin_clip), device=dev)
+
+    def bin_of(self, clip: torch.Tensor, tick: torch.Tensor) -> torch.Tensor:
+        return self.bin_start[clip] + torch.minimum(tick // self.bin_ticks, self.num_bins[clip] - 1)
+
+    def record(self, clip: torch.Tensor, tick: torch.Tensor, failed: torch.Tensor):
+        """One control step of every env: the bins they are in, and which of them failed there."""
+        b = self.bin_of(clip, tick)
+        self.steps.mul_(self.decay).index_add_(0, b, torch.ones_like(b, dtype=torch.float32))
+        self.failures.mul_(self.decay).index_add_(0, b, failed.float())
+
+    def probabilities(self) -> torch.Tensor:
+        """The start probability of every bin of the library [num_bins]."""
+        hazard = self.failures / (self.steps + 1.0)
+        w = (torch.where(self.later >= 0, hazard[self.later.clamp(min=0)], 0.0) * self.kernel).sum(-1)
+        w = w * (self.start_ticks > 0)
+        uniform = self.start_ticks / self.start_ticks.sum()
+        return uniform if w.sum() <= 0 else (1 - self.uniform) * w / w.sum() + self.uniform * uniform
+
+    def sample(self, m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(clip, start tick) of m new episodes."""
+        b = torch.multinomial(self.probabilities(), m, replacement=True, generator=gen)
+        offset = (torch.rand(m, generator=gen, device=b.device) * self.start_ticks[b]).long()
+        return self.bin_clip[b], self.bin_first_tick[b] + offset
+
+    def state(self) -> torch.Tensor:
+        return torch.stack([self.failures, self.steps])
+
+    def load_state(self, state: torch.Tensor):
+        self.failures, self.steps = state[0].clone(), state[1].clone()
+
+
 # A neutral standing pose (rad), used where a motion gives no joint angles (human keypoint commands).
 DEFAULT_STANCE_RAD = {"hip_pitch": -0.31, "knee": 0.67, "ankle_pitch": -0.36, "shoulder_pitch": 0.2, "elbow": 0.6,
                       "left_shoulder_roll": 0.2, "right_shoulder_roll": -0.2}
@@ -718,7 +778,11 @@ class TrackingEnv:
                  start: str = "random", terrain_mix: dict[str, float] | None = None):
         self.sim, self.motions, self.terrain, self.dr = sim, motion_lib, terrain, dr
         self.num_envs, self.device = sim.num_envs, sim.device
-        self.start = start  # "random": random clip and time; "frame0": env i plays clips i, i+N, ... from frame 0
+        # "random": random clip and tick; "adaptive": AdaptiveStarts; "frame0": env i plays clips i, i+N, ... from 0
+        if start not in ("random", "adaptive", "frame0"):
+            raise ValueError(f"unknown start '{start}': choose 'random', 'adaptive' or 'frame0'")
+        self.start = start
+        self.starts = AdaptiveStarts(motion_lib) if start == "adaptive" else None
         n, dev = self.num_envs, self.device
         self.gen = torch.Generator(device=dev).manual_seed(seed)
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
@@ -753,12 +817,15 @@ class TrackingEnv:
     def close(self):
         self.sim.close()
 
-    def get_rng_state(self) -> torch.Tensor:
-        """The env's random stream (clips, start times, psi, pushes, tiles): saved with a checkpoint for --resume."""
-        return self.gen.get_state()
+    def get_rng_state(self) -> dict[str, torch.Tensor]:
+        """The env's random stream (clips, start times, psi, pushes, tiles) and the AdaptiveStarts statistics: saved
+        with a checkpoint for --resume."""
+        return {"gen": self.gen.get_state(), **({"starts": self.starts.state()} if self.starts is not None else {})}
 
-    def set_rng_state(self, state: torch.Tensor):
-        self.gen.set_state(state)
+    def set_rng_state(self, state: dict[str, torch.Tensor]):
+        self.gen.set_state(state["gen"])
+        if self.starts is not None and "starts" in state:
+            self.starts.load_state(state["starts"])
 
     # --- reference ------------------------------------------------------------------------------------------------
     def tick(self) -> torch.Tensor:
@@ -802,6 +869,8 @@ class TrackingEnv:
             self.clip[ids] = self.next_clip[ids]
             self.next_clip[ids] = (self.next_clip[ids] + self.num_envs) % len(lib)
             self.tick0[ids] = 0
+        elif self.starts is not None:
+            self.clip[ids], self.tick0[ids] = self.starts.sample(m, self.gen)
         else:  # reference-state init on any control tick of the library, at least 1 s before the clip end
             self.clip[ids] = torch.randint(len(lib), (m,), generator=self.gen, device=dev)
             span_s = (lib.length_s[self.clip[ids]] - 1.0).clamp(min=0.0)
@@ -886,6 +955,8 @@ class TrackingEnv:
         blown_up = self.sim.nan_envs() | ~torch.isfinite(body[0]).all(-1).all(-1) | ~torch.isfinite(q).all(-1)
         reward = torch.where(blown_up, torch.zeros_like(reward), reward)
         failed = failed | blown_up
+        if self.starts is not None:
+            self.starts.record(self.clip, self.tick(), failed)
         done = failed | time_out
         info = {"metrics": metrics, "reward_terms": {k: torch.exp(REWARD_COEFFS[k] * v) for k, v in terms.items()},
                 "power_w": power_w, "time_out": time_out & ~failed, "failed": failed,
@@ -1139,10 +1210,10 @@ class EnvWorkers:
         self.nan_resets = info["nan_resets"]
         return self._obs(), reward, done, info
 
-    def get_rng_state(self) -> list[torch.Tensor]:
+    def get_rng_state(self) -> list[dict[str, torch.Tensor]]:
         return self._call("get_rng_state")
 
-    def set_rng_state(self, states: list[torch.Tensor]):
+    def set_rng_state(self, states: list[dict[str, torch.Tensor]]):
         if len(states) != len(self.conns):
             raise ValueError(f"{len(states)} env RNG states for {len(self.conns)} env workers (resume with the "
                              f"checkpoint's --env-workers)")

@@ -51,6 +51,9 @@ class Args:
     """SSJR packet folder or file (the held-out test clips are excluded)"""
     terrain: str = "mix"
     """flat | smooth_slope | rough_slope | mix (paper: 0.5 flat, 0.25 each slope)"""
+    start: str = "random"
+    """episode starts: 'random' (uniform clip and tick) or 'adaptive' (more starts just before where episodes fail:
+    envs.AdaptiveStarts)"""
     no_dr: bool = False
     """the 'w/o DR' ablation: nominal dynamics every episode"""
     no_hcdr: bool = False
@@ -299,7 +302,8 @@ def check_layout(path, expected: dict, found: dict, keys):
 
 def env_kwargs(args) -> dict:
     """The make_env settings a checkpoint fixes."""
-    return dict(sim=args.sim, motions=args.motions, terrain=args.terrain, dr=None if args.no_dr else "default")
+    return dict(sim=args.sim, motions=args.motions, terrain=args.terrain, dr=None if args.no_dr else "default",
+                start=args.start)
 
 
 def build_env(cfg: dict, num_envs: int, device: str, seed: int, workers: int = 1, **overrides):

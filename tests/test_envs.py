@@ -252,8 +252,9 @@ def test_resetting_some_envs_leaves_the_others_observations_alone(env):
 
 def test_env_workers_equal_in_process_envs_and_report_worker_errors(train_packet):
     """EnvWorkers (2 processes x 2 envs, seeds 0 and 1) gives the same numbers as the two envs built in this process
-    and concatenated; a worker that fails reports its own error."""
-    kw = dict(sim="genesis", device="cpu", motions=str(train_packet), dr=envs.DR(), terrain="flat")
+    and concatenated (adaptive starts: their statistics travel with the RNG state); a worker that fails reports its
+    own error."""
+    kw = dict(sim="genesis", device="cpu", motions=str(train_packet), dr=envs.DR(), terrain="flat", start="adaptive")
     workers = envs.EnvWorkers(2, 4, seed=0, **kw)
     local = [envs.make_env(num_envs=2, seed=s, terrain_seed=0, **kw) for s in (0, 1)]
     try:
@@ -276,7 +277,10 @@ def test_env_workers_equal_in_process_envs_and_report_worker_errors(train_packet
             assert torch.equal(done_w, torch.cat([s[2] for s in steps]))
             assert torch.equal(info_w["clip"], torch.cat([s[3]["clip"] for s in steps]))
         assert torch.equal(workers.psi["mass_scale"], torch.cat([e.psi["mass_scale"] for e in local]))
-        assert all(torch.equal(a, e.get_rng_state()) for a, e in zip(workers.get_rng_state(), local))
+        for state_w, e in zip(workers.get_rng_state(), local):
+            state_l = e.get_rng_state()
+            assert state_w.keys() == state_l.keys() == {"gen", "starts"}
+            assert all(torch.equal(state_w[k], state_l[k]) for k in state_l)
     finally:
         workers.close()
     with pytest.raises(RuntimeError, match="env worker 0 failed(.|\n)*no such motion packet"):
@@ -297,3 +301,31 @@ def test_motion_lib_tick_table_matches_interpolated_reference(train_packet):
     for k in exact:
         assert torch.allclose(table[k], exact[k], atol=1e-6), k
     assert not torch.allclose(table["body_pos"][1], lib.at_tick(clip[1:2], tick[1:2] + 1)["body_pos"][0])
+
+
+def test_adaptive_starts_follow_failures_and_keep_a_uniform_share(train_packet):
+    """AdaptiveStarts: with no failures it is uniform over the start ticks (>= 1 s before the clip end); failures in
+    one bin move the starts to that bin and the bins just before it, every start bin keeps its uniform share, and
+    its statistics round-trip through state()."""
+    lib = envs.MotionLib([train_packet], "cpu")
+    starts = envs.AdaptiveStarts(lib)
+    gen = torch.Generator().manual_seed(0)
+    last = int(starts.last_start_tick[0])
+    assert last * envs.CONTROL_DT_S <= float(lib.length_s[0]) - 1.0 < (last + 1) * envs.CONTROL_DT_S
+    clip, tick = starts.sample(20000, gen)
+    assert (clip == 0).all() and tick.min() == 0 and tick.max() == last
+    assert abs(tick.float().mean().item() - last / 2) < 0.02 * last
+    # every tick of the clip is visited equally; episodes fail only at 3.0-3.5 s (bin 6 of 0.5 s)
+    ticks = torch.arange(int(lib.num_ticks[0]))
+    for _ in range(20):
+        starts.record(torch.zeros_like(ticks), ticks, (ticks >= 150) & (ticks < 175))
+    p = starts.probabilities()
+    assert p[6] > p[5] > p[4] > p[3] > 0.05 and p[7] < 0.05
+    uniform_share = starts.uniform * starts.start_ticks / starts.start_ticks.sum()
+    assert torch.all(p >= uniform_share - 1e-7) and p[starts.start_ticks == 0].sum() == 0
+    clip, tick = starts.sample(20000, gen)
+    near = ((tick >= 75) & (tick < 175)).float().mean().item()  # the 2 s leading to the failures
+    assert near > 0.75 and tick.max() <= last
+    other = envs.AdaptiveStarts(lib)
+    other.load_state(starts.state())
+    assert torch.equal(other.probabilities(), p)
