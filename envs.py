@@ -218,10 +218,33 @@ SCAN_XY_M = torch.stack(torch.meshgrid(torch.linspace(-0.5, 0.5, 11), torch.lins
 # ----------------------------------------------------------------------------------------------------------------
 # Motion library: SSJR packets (30 fps), resampled once to the 50 Hz control ticks the env reads.
 # ----------------------------------------------------------------------------------------------------------------
+PACKET_FIELDS = {"body_pos": "body_pos_w", "body_quat": "body_quat_w", "body_lin_vel": "body_lin_vel_w",
+                 "body_ang_vel": "body_ang_vel_w", "dof_pos": "dof_pos", "dof_vel": "dof_vel"}  # MotionLib: packet key
+
+
+def resample(packet: dict, dt_s: float) -> dict[str, torch.Tensor]:
+    """A packet's reference state at t = k * dt_s, k = 0 .. floor(length / dt_s) (ticks <= the clip end), from its
+    frames: lerp positions and velocities, slerp rotations."""
+    fps, num_frames = float(packet["fps"]), len(packet["dof_pos"])
+    num_ticks = int(np.floor((num_frames - 1) / fps / dt_s + 1e-4)) + 1
+    f = np.minimum(np.arange(num_ticks) * dt_s * fps, num_frames - 1)
+    i0 = np.floor(f + 1e-6).astype(np.int64)  # + 1e-6: a tick on a frame reads that frame exactly
+    i1 = np.minimum(i0 + 1, num_frames - 1)
+    w = torch.as_tensor(np.clip(f - i0, 0.0, 1.0), dtype=torch.float32)
+    out = {}
+    for name, key in PACKET_FIELDS.items():
+        x = torch.as_tensor(np.asarray(packet[key]), dtype=torch.float32)
+        if name == "body_quat":
+            out[name] = ssjr.quat_slerp(x[i0], x[i1], w[:, None])
+        else:
+            out[name] = x[i0] + (x[i1] - x[i0]) * w.view(-1, *[1] * (x.dim() - 1))
+    return out
+
+
 class MotionLib:
-    """All clips concatenated on the device. At load every clip is resampled to the control rate (lerp positions and
-    velocities, slerp rotations); episodes start on a control tick, so the env reads the reference by indexing
-    (`at_tick`) instead of interpolating every step."""
+    """All clips concatenated on the device, resampled at load to the control rate (`resample`): episodes start on a
+    control tick, so the env reads the reference by indexing (`at_tick`) instead of interpolating every step. The
+    30 fps frames are not kept."""
 
     def __init__(self, packet_paths: list[pathlib.Path], device, dt_s: float = CONTROL_DT_S):
         if not packet_paths:
@@ -230,36 +253,16 @@ class MotionLib:
         packets = [p if p["kind"] == "robot" else keypoints_to_packet(p) for p in packets]
         self.keypoints_only = torch.tensor([p["kind"] == "human_keypoints" for p in packets], device=device)
         self.names = [pathlib.Path(p).stem for p in packet_paths]
-        self.fps = torch.tensor([float(p["fps"]) for p in packets], device=device)
-        self.num_frames = torch.tensor([len(p["dof_pos"]) for p in packets], device=device)
-        self.length_s = (self.num_frames - 1) / self.fps
-        self.start = torch.cumsum(self.num_frames, 0) - self.num_frames
-        cat = lambda k: torch.as_tensor(np.concatenate([p[k] for p in packets]), dtype=torch.float32, device=device)
-        self.frames = {"body_pos": cat("body_pos_w"), "body_quat": cat("body_quat_w"),
-                       "body_lin_vel": cat("body_lin_vel_w"), "body_ang_vel": cat("body_ang_vel_w"),
-                       "dof_pos": cat("dof_pos"), "dof_vel": cat("dof_vel")}
+        self.length_s = torch.tensor([(len(p["dof_pos"]) - 1) / float(p["fps"]) for p in packets], device=device)
         # the control-tick table: tick k of a clip is its state at k * dt_s, k = 0 .. num_ticks - 1 (<= the clip end)
-        self.num_ticks = torch.floor(self.length_s / dt_s + 1e-4).long() + 1
+        ticks = [resample(p, dt_s) for p in packets]
+        self.num_ticks = torch.tensor([len(t["dof_pos"]) for t in ticks], device=device)
         self.tick_start = torch.cumsum(self.num_ticks, 0) - self.num_ticks
-        clip = torch.repeat_interleave(torch.arange(len(packets), device=device), self.num_ticks)
-        tick = torch.arange(len(clip), device=device) - self.tick_start[clip]
-        self.ticks = self.sample(clip, tick * dt_s)
+        self.ticks = {k: torch.cat([t[k] for t in ticks]).to(device) for k in PACKET_FIELDS}
         self.mean_dof_pos = self.ticks["dof_pos"].mean(0)  # the motions' average pose (the student's nominal action)
 
     def __len__(self):
         return len(self.names)
-
-    def sample(self, clip: torch.Tensor, t_s: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Reference state of `clip` [M] at time `t_s` [M] (clamped to the clip), interpolated between 30 fps frames."""
-        f = (t_s.clamp(min=0) * self.fps[clip]).clamp(max=(self.num_frames[clip] - 1).float())
-        i0 = f.floor().long()
-        i1 = torch.minimum(i0 + 1, self.num_frames[clip] - 1)
-        w = (f - i0)
-        i0, i1 = i0 + self.start[clip], i1 + self.start[clip]
-        lerp = lambda x: x[i0] + (x[i1] - x[i0]) * w.view(-1, *[1] * (x.dim() - 1))
-        out = {k: lerp(v) for k, v in self.frames.items() if k != "body_quat"}
-        out["body_quat"] = ssjr.quat_slerp(self.frames["body_quat"][i0], self.frames["body_quat"][i1], w[:, None])
-        return out
 
     def at_tick(self, clip: torch.Tensor, tick: torch.Tensor) -> dict[str, torch.Tensor]:
         """Reference state of `clip` [M] at control tick `tick` [M] (clamped to the clip): a gather, no arithmetic."""

@@ -289,18 +289,25 @@ def test_env_workers_equal_in_process_envs_and_report_worker_errors(train_packet
         envs.EnvWorkers(2, 5, seed=0, **kw)
 
 
-def test_motion_lib_tick_table_matches_interpolated_reference(train_packet):
-    """The 50 Hz tick table equals the interpolated 30 fps packet at tick * CONTROL_DT_S; ticks clamp to the clip."""
+def test_motion_lib_tick_table_matches_the_packet_frames(train_packet):
+    """The 50 Hz tick table: a tick on a 30 fps frame (every 5th) is that frame; a tick between two frames is their
+    lerp (positions) / slerp (rotations); ticks clamp to the clip; two clips are indexed apart."""
     lib = envs.MotionLib([train_packet, train_packet], "cpu")
-    clip = torch.tensor([0, 1, 1, 0])
+    packet = ssjr.load_packet(train_packet)
+    frame = lambda key, i: torch.as_tensor(packet[key][i], dtype=torch.float32)
     last = int(lib.num_ticks[0]) - 1
     assert last * envs.CONTROL_DT_S <= float(lib.length_s[0]) < (last + 1) * envs.CONTROL_DT_S
-    tick = torch.tensor([0, 7, last, last + 5])
-    table = lib.at_tick(clip, tick)
-    exact = lib.sample(clip, torch.tensor([0, 7, last, last]) * envs.CONTROL_DT_S)
-    for k in exact:
-        assert torch.allclose(table[k], exact[k], atol=1e-6), k
-    assert not torch.allclose(table["body_pos"][1], lib.at_tick(clip[1:2], tick[1:2] + 1)["body_pos"][0])
+    on_frames = lib.at_tick(torch.tensor([0, 1, 0]), torch.tensor([0, 5, 10]))  # frames 0, 3, 6
+    for j, i in enumerate((0, 3, 6)):
+        assert torch.allclose(on_frames["body_pos"][j], frame("body_pos_w", i), atol=1e-6)
+        assert torch.allclose(on_frames["body_quat"][j], frame("body_quat_w", i), atol=1e-6)
+        assert torch.allclose(on_frames["dof_vel"][j], frame("dof_vel", i), atol=1e-6)
+    between = lib.at_tick(torch.tensor([1]), torch.tensor([7]))  # t = 0.14 s = frame 4.2
+    assert torch.allclose(between["dof_pos"][0], 0.8 * frame("dof_pos", 4) + 0.2 * frame("dof_pos", 5), atol=1e-5)
+    slerp = ssjr.quat_slerp(frame("body_quat_w", 4), frame("body_quat_w", 5), torch.full((30,), 0.2))
+    assert torch.allclose(between["body_quat"][0], slerp, atol=1e-5)
+    clamped = lib.at_tick(torch.tensor([0, 0]), torch.tensor([last, last + 5]))
+    assert torch.equal(clamped["body_pos"][0], clamped["body_pos"][1])
 
 
 def test_adaptive_starts_follow_failures_and_keep_a_uniform_share(train_packet):
