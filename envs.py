@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 import ssjr
-from ssjr import quat_apply, quat_conj, quat_mul, rot6d, rotate_z, yaw_quat, yaw_rad
+from ssjr import quat_apply, quat_conj, quat_mul, rot6d, rotate_z, yaw_rad, z_quat
 
 PHYSICS_DT_S = 0.005  # 200 Hz physics
 SPARSE_STATE_DIM = 64  # s in each (s, alpha) pair of H_t and in the student's proprio (see the table above)
@@ -440,8 +440,8 @@ class GenesisSim:
         qpos = torch.cat([root_pos, root_quat, q], -1)
         qs = [0, 1, 2, 3, 4, 5, 6] + [d + 1 for d in self.dofs]  # free joint: 3 pos + 4 quat in qpos, 6 dofs in qvel
         self.robot.set_qpos(qpos, qs, envs_idx=env_ids, zero_velocity=True)
-        self.set_root_velocity(env_ids, root_lin_vel, root_ang_vel)
-        self.robot.set_dofs_velocity(qd, self.dofs, envs_idx=env_ids)
+        self.robot.set_dofs_velocity(torch.cat([root_lin_vel, root_ang_vel, qd], -1), [0, 1, 2, 3, 4, 5] + self.dofs,
+                                     envs_idx=env_ids)
 
     def set_root_velocity(self, env_ids, lin_vel_w, ang_vel_w):
         self.robot.set_dofs_velocity(torch.cat([lin_vel_w, ang_vel_w], -1), [0, 1, 2, 3, 4, 5], envs_idx=env_ids)
@@ -989,7 +989,7 @@ class TrackingEnv:
         n, dev = self.num_envs, self.device
         root_pos, root_quat = pos[:, 0], quat[:, 0]
         yaw = yaw_rad(root_quat)  # vectors go to the heading frame by rotate_z(v, -yaw)
-        ih = quat_conj(yaw_quat(root_quat))[:, None]
+        ih = z_quat(-yaw)[:, None]  # the inverse heading rotation
         # privileged proprio at t
         ground = self.terrain.height_at(root_pos[:, :2])
         proprio = torch.cat([

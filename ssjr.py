@@ -206,11 +206,15 @@ def rotate_z(v: torch.Tensor, angle_rad: torch.Tensor) -> torch.Tensor:
     return torch.stack((rx, ry, z.expand_as(rx)), -1)
 
 
+def z_quat(angle_rad: torch.Tensor) -> torch.Tensor:
+    """The rotation about world z by angle_rad [...] as a quaternion [..., 4] (wxyz)."""
+    zero = torch.zeros_like(angle_rad)
+    return torch.stack((torch.cos(0.5 * angle_rad), zero, zero, torch.sin(0.5 * angle_rad)), dim=-1)
+
+
 def yaw_quat(q: torch.Tensor) -> torch.Tensor:
     """The heading part of q: a rotation about world z by q's yaw."""
-    yaw = yaw_rad(q)
-    zero = torch.zeros_like(yaw)
-    return torch.stack((torch.cos(0.5 * yaw), zero, zero, torch.sin(0.5 * yaw)), dim=-1)
+    return z_quat(yaw_rad(q))
 
 
 def quat_angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
