@@ -275,7 +275,7 @@ class AdaptiveStarts:
     how episodes start). Every clip is cut into bins of `bin_s`. The env reports, every control step, which bin each
     env is in and whether it failed there; decayed sums of both give each bin's failure hazard (failures per step
     spent in it). An episode starts in bin j with probability
-        (1 - uniform) * w_j / sum(w) + uniform * (start ticks in j) / (all start ticks),
+        (1 - uniform) * w_j / sum(w) + uniform * (start ticks in j) / (start ticks of its clip) / (clips),
         w_j = sum_l lookahead**l * hazard_(j+l), l = 0..lookahead_bins (same clip: a fall's cause precedes it),
     then on a uniform tick of the bin. Starts stay >= 1 s before the clip end, as for uniform starts."""
 
@@ -292,6 +292,9 @@ class AdaptiveStarts:
         # start ticks in each bin: bin_first_tick .. min(bin_first_tick + bin_ticks, last_start_tick + 1) - 1
         end = torch.minimum(self.bin_first_tick + self.bin_ticks, self.last_start_tick[self.bin_clip] + 1)
         self.start_ticks = (end - self.bin_first_tick).clamp(min=0)
+        # the uniform share is the 'random' start: a uniform clip, then a uniform start tick in it
+        clip_ticks = torch.zeros(len(motions), device=dev).index_add_(0, self.bin_clip, self.start_ticks.float())
+        self.uniform_p = self.start_ticks / clip_ticks[self.bin_clip] / len(motions)
         # bin j + l of the same clip (or -1), for the lookahead kernel
         later = torch.arange(len(self.bin_clip), device=dev)[:, None] + torch.arange(lookahead_bins + 1, device=dev)
         same = later < (self.bin_start + self.num_bins)[self.bin_clip][:, None]
@@ -314,8 +317,7 @@ class AdaptiveStarts:
         hazard = self.failures / (self.steps + 1.0)
         w = (torch.where(self.later >= 0, hazard[self.later.clamp(min=0)], 0.0) * self.kernel).sum(-1)
         w = w * (self.start_ticks > 0)
-        uniform = self.start_ticks / self.start_ticks.sum()
-        return uniform if w.sum() <= 0 else (1 - self.uniform) * w / w.sum() + self.uniform * uniform
+        return self.uniform_p if w.sum() <= 0 else (1 - self.uniform) * w / w.sum() + self.uniform * self.uniform_p
 
     def sample(self, m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(clip, start tick) of m new episodes."""
@@ -327,7 +329,10 @@ class AdaptiveStarts:
         return torch.stack([self.failures, self.steps])
 
     def load_state(self, state: torch.Tensor):
-        self.failures, self.steps = state[0].clone(), state[1].clone()
+        if state.shape != (2, len(self.bin_clip)):
+            raise ValueError(f"AdaptiveStarts: saved statistics have {state.shape[-1]} bins, this motion library has "
+                             f"{len(self.bin_clip)} (different motions)")
+        self.failures, self.steps = (x.to(self.failures.device).clone() for x in state)
 
 
 # A neutral standing pose (rad), used where a motion gives no joint angles (human keypoint commands).
@@ -825,7 +830,9 @@ class TrackingEnv:
         with a checkpoint for --resume."""
         return {"gen": self.gen.get_state(), **({"starts": self.starts.state()} if self.starts is not None else {})}
 
-    def set_rng_state(self, state: dict[str, torch.Tensor]):
+    def set_rng_state(self, state: dict[str, torch.Tensor] | torch.Tensor):
+        if torch.is_tensor(state):  # checkpoints written before AdaptiveStarts saved the generator alone
+            state = {"gen": state}
         self.gen.set_state(state["gen"])
         if self.starts is not None and "starts" in state:
             self.starts.load_state(state["starts"])

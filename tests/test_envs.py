@@ -310,10 +310,13 @@ def test_motion_lib_tick_table_matches_the_packet_frames(train_packet):
     assert torch.equal(clamped["body_pos"][0], clamped["body_pos"][1])
 
 
-def test_adaptive_starts_follow_failures_and_keep_a_uniform_share(train_packet):
-    """AdaptiveStarts: with no failures it is uniform over the start ticks (>= 1 s before the clip end); failures in
-    one bin move the starts to that bin and the bins just before it, every start bin keeps its uniform share, and
-    its statistics round-trip through state()."""
+def test_adaptive_starts_follow_failures_and_keep_a_uniform_share(packets, train_packet):
+    """AdaptiveStarts: with no failures it is the 'random' start (a uniform clip, then a uniform tick >= 1 s before
+    its end); failures in one bin move the starts to that bin and the bins just before it, every start bin keeps its
+    uniform share, and its statistics round-trip through state()."""
+    two = envs.AdaptiveStarts(envs.MotionLib([train_packet, packets / "B_HandsUp_seg00.npz"], "cpu"))
+    p = two.probabilities()
+    assert torch.allclose(torch.stack([p[two.bin_clip == c].sum() for c in (0, 1)]), torch.tensor([0.5, 0.5]))
     lib = envs.MotionLib([train_packet], "cpu")
     starts = envs.AdaptiveStarts(lib)
     gen = torch.Generator().manual_seed(0)
@@ -336,3 +339,5 @@ def test_adaptive_starts_follow_failures_and_keep_a_uniform_share(train_packet):
     other = envs.AdaptiveStarts(lib)
     other.load_state(starts.state())
     assert torch.equal(other.probabilities(), p)
+    with pytest.raises(ValueError, match="different motions"):
+        two.load_state(starts.state())
