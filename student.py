@@ -274,7 +274,8 @@ def train(args: Args, env=None) -> pathlib.Path:
     device = torch.device(args.device)
     resume = load_checkpoint(args.resume, "student") if args.resume else None
     if resume is not None:  # the checkpoint fixes the teacher, the env and the model; only the budget may change
-        args = dataclasses.replace(Args(**resume["args"]), total_env_steps=args.total_env_steps, resume=args.resume)
+        args = dataclasses.replace(Args(**resume["args"]), total_env_steps=args.total_env_steps, resume=args.resume,
+                                   run_dir=str(pathlib.Path(args.resume).parent))  # logs go to the checkpoint's folder
     teacher_agent, tckpt = load_teacher(args.teacher_ckpt, device)
     env_cfg = student_env_cfg(args, tckpt)
     run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{env_cfg['sim']}_{args.seed}_{int(time.time())}")

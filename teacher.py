@@ -352,7 +352,7 @@ def main(args: Args):
     resume = load_checkpoint(args.resume, "teacher") if args.resume else None
     if resume is not None:  # the checkpoint fixes the env and the model; only the budget may change
         args = dataclasses.replace(Args(**resume["args"]), total_env_steps=args.total_env_steps, resume=args.resume,
-                                   run_dir=resume["args"]["run_dir"], device=args.device)
+                                   run_dir=str(pathlib.Path(args.resume).parent), device=args.device)  # its folder
         device = torch.device(args.device)
     run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{args.sim}_{args.seed}_{int(time.time())}")
     run_dir.mkdir(parents=True, exist_ok=True)
