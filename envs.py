@@ -52,6 +52,7 @@ PHYSICS_DT_S = 0.005  # 200 Hz physics
 SPARSE_STATE_DIM = 64  # s in each (s, alpha) pair of H_t and in the student's proprio (see the table above)
 DECIMATION = 4  # 50 Hz policy
 CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
+START_MARGIN_S = 1.0  # episodes start at least this long before their clip ends (shorter clips: at frame 0)
 
 # PD gains (kp N m/rad, kd N m s/rad) and effort limits (N m), per joint group. Paper: hips 100, knees 200, waist 400,
 # shoulders 60-90, damping 0.1-5; the rest follows the authors' earlier code (ankles 20/0.2, wrists 4/0.2).
@@ -254,6 +255,9 @@ class MotionLib:
         self.keypoints_only = torch.tensor([p["kind"] == "human_keypoints" for p in packets], device=device)
         self.names = [pathlib.Path(p).stem for p in packet_paths]
         self.length_s = torch.tensor([(len(p["dof_pos"]) - 1) / float(p["fps"]) for p in packets], device=device)
+        self.dt_s = dt_s
+        # the start ticks of each clip: 0 .. last_start_tick
+        self.last_start_tick = ((self.length_s - START_MARGIN_S).clamp(min=0.0) / dt_s + 1e-4).long()
         # the control-tick table: tick k of a clip is its state at k * dt_s, k = 0 .. num_ticks - 1 (<= the clip end)
         ticks = [resample(p, dt_s) for p in packets]
         self.num_ticks = torch.tensor([len(t["dof_pos"]) for t in ticks], device=device)
@@ -277,20 +281,20 @@ class AdaptiveStarts:
     spent in it). An episode starts in bin j with probability
         (1 - uniform) * w_j / sum(w) + uniform * (start ticks in j) / (start ticks of its clip) / (clips),
         w_j = sum_l lookahead**l * hazard_(j+l), l = 0..lookahead_bins (same clip: a fall's cause precedes it),
-    then on a uniform tick of the bin. Starts stay >= 1 s before the clip end, as for uniform starts."""
+    then on a uniform tick of the bin. Starts stay on MotionLib.last_start_tick or before, as for uniform starts."""
 
-    def __init__(self, motions: MotionLib, dt_s: float = CONTROL_DT_S, bin_s: float = 0.5, uniform: float = 0.2,
-                 lookahead: float = 0.6, lookahead_bins: int = 3, decay: float = 0.998):
+    def __init__(self, motions: MotionLib, bin_s: float = 0.5, uniform: float = 0.2, lookahead: float = 0.6,
+                 lookahead_bins: int = 3, decay: float = 0.998):
         dev = motions.num_ticks.device
         self.uniform, self.decay = uniform, decay
-        self.bin_ticks = max(1, round(bin_s / dt_s))
-        self.last_start_tick = (((motions.length_s - 1.0).clamp(min=0.0) / dt_s) + 1e-4).long()  # per clip
+        self.bin_ticks = max(1, round(bin_s / motions.dt_s))
         self.num_bins = (motions.num_ticks + self.bin_ticks - 1) // self.bin_ticks
         self.bin_start = torch.cumsum(self.num_bins, 0) - self.num_bins
         self.bin_clip = torch.repeat_interleave(torch.arange(len(motions), device=dev), self.num_bins)
-        self.bin_first_tick = (torch.arange(len(self.bin_clip), device=dev) - self.bin_start[self.bin_clip]) * self.bin_ticks
+        bin_index = torch.arange(len(self.bin_clip), device=dev) - self.bin_start[self.bin_clip]  # within its clip
+        self.bin_first_tick = bin_index * self.bin_ticks
         # start ticks in each bin: bin_first_tick .. min(bin_first_tick + bin_ticks, last_start_tick + 1) - 1
-        end = torch.minimum(self.bin_first_tick + self.bin_ticks, self.last_start_tick[self.bin_clip] + 1)
+        end = torch.minimum(self.bin_first_tick + self.bin_ticks, motions.last_start_tick[self.bin_clip] + 1)
         self.start_ticks = (end - self.bin_first_tick).clamp(min=0)
         # the uniform share is the 'random' start: a uniform clip, then a uniform start tick in it
         clip_ticks = torch.zeros(len(motions), device=dev).index_add_(0, self.bin_clip, self.start_ticks.float())
@@ -881,10 +885,10 @@ class TrackingEnv:
             self.tick0[ids] = 0
         elif self.starts is not None:
             self.clip[ids], self.tick0[ids] = self.starts.sample(m, self.gen)
-        else:  # reference-state init on any control tick of the library, at least 1 s before the clip end
+        else:  # reference-state init: a uniform clip, then a uniform start tick in it
             self.clip[ids] = torch.randint(len(lib), (m,), generator=self.gen, device=dev)
-            span_s = (lib.length_s[self.clip[ids]] - 1.0).clamp(min=0.0)
-            self.tick0[ids] = (torch.rand(m, generator=self.gen, device=dev) * span_s / CONTROL_DT_S).long()
+            num_starts = lib.last_start_tick[self.clip[ids]] + 1
+            self.tick0[ids] = (torch.rand(m, generator=self.gen, device=dev) * num_starts).long()
         self.step_count[ids] = 0
         tile = torch.multinomial(self.tile_weights, m, replacement=True, generator=self.gen)
         start = lib.at_tick(self.clip[ids], self.tick0[ids])

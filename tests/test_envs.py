@@ -311,17 +311,18 @@ def test_motion_lib_tick_table_matches_the_packet_frames(train_packet):
 
 
 def test_adaptive_starts_follow_failures_and_keep_a_uniform_share(packets, train_packet):
-    """AdaptiveStarts: with no failures it is the 'random' start (a uniform clip, then a uniform tick >= 1 s before
-    its end); failures in one bin move the starts to that bin and the bins just before it, every start bin keeps its
-    uniform share, and its statistics round-trip through state()."""
+    """AdaptiveStarts: with no failures it is the 'random' start (a uniform clip, then a uniform tick up to
+    MotionLib.last_start_tick, START_MARGIN_S before its end); failures in one bin move the starts to that bin and the
+    bins just before it, every start bin keeps its uniform share, and its statistics round-trip through state()."""
     two = envs.AdaptiveStarts(envs.MotionLib([train_packet, packets / "B_HandsUp_seg00.npz"], "cpu"))
     p = two.probabilities()
     assert torch.allclose(torch.stack([p[two.bin_clip == c].sum() for c in (0, 1)]), torch.tensor([0.5, 0.5]))
     lib = envs.MotionLib([train_packet], "cpu")
     starts = envs.AdaptiveStarts(lib)
     gen = torch.Generator().manual_seed(0)
-    last = int(starts.last_start_tick[0])
-    assert last * envs.CONTROL_DT_S <= float(lib.length_s[0]) - 1.0 < (last + 1) * envs.CONTROL_DT_S
+    last = int(lib.last_start_tick[0])
+    margin_s = float(lib.length_s[0]) - envs.START_MARGIN_S
+    assert last * envs.CONTROL_DT_S <= margin_s < (last + 1) * envs.CONTROL_DT_S
     clip, tick = starts.sample(20000, gen)
     assert (clip == 0).all() and tick.min() == 0 and tick.max() == last
     assert abs(tick.float().mean().item() - last / 2) < 0.02 * last
