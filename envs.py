@@ -92,7 +92,8 @@ TERMINATION_ERR_M = 0.5  # max global body-position error that ends an episode (
 
 @dataclass
 class DR:
-    """Episode-level domain randomization ranges (paper Table 5): psi is sampled per env at reset, fixed for the episode."""
+    """Episode-level domain randomization ranges (paper Table 5): psi is sampled per env at reset, fixed for the
+    episode."""
     delay_steps: tuple[int, int] = (0, 3)
     """control delay, physics steps (inclusive integer range)"""
     mass_scale: tuple[float, float] = (0.9, 1.1)
@@ -974,7 +975,8 @@ class TrackingEnv:
         done = failed | time_out
         info = {"metrics": metrics, "reward_terms": {k: torch.exp(REWARD_COEFFS[k] * v) for k, v in terms.items()},
                 "power_w": power_w, "time_out": time_out & ~failed, "failed": failed,
-                "nan": blown_up, "pushed": self.pushed, "psi": {k: v.clone() for k, v in self.psi.items()}, "clip": self.clip.clone()}
+                "nan": blown_up, "pushed": self.pushed, "psi": {k: v.clone() for k, v in self.psi.items()},
+                "clip": self.clip.clone()}
         self.body_pos_w, self.body_quat_w = body[0], body[1]
         self.ref_body_pos_w, self.ref_body_quat_w = ref["body_pos"], ref["body_quat"]
         self.nan_resets += int(blown_up.sum())

@@ -504,9 +504,10 @@ class Play:
 
 def rollout_episodes(env, policy, obs: dict) -> list[dict]:
     """Run `policy` from `obs` (freshly reset envs) until every env has finished one episode; per env: steps, mean
-    keypoint error, mean g-mpjpe, failed (ended by the env's failure test: a fall or a body > 0.5 m off the command), success (reached the
-    clip end). The keypoint error (info['metrics']['keypoint_err_m']: mean distance of the SSJR keypoint bodies to the
-    commanded keypoints) is the meaningful score of a human keypoint command, whose other bodies are filler."""
+    keypoint error, mean g-mpjpe, failed (ended by the env's failure test: a fall or a body > 0.5 m off the command),
+    success (reached the clip end). The keypoint error (info['metrics']['keypoint_err_m']: mean distance of the SSJR
+    keypoint bodies to the commanded keypoints) is the meaningful score of a human keypoint command, whose other
+    bodies are filler."""
     n = env.num_envs
     kp_sum, gt_sum = torch.zeros(n), torch.zeros(n)
     steps = torch.zeros(n, dtype=torch.long)

@@ -123,8 +123,8 @@ class Args:
 PRESETS = {
     "paper": Args(),
     "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=128, env_workers=2,
-                performance_mode=True, total_env_steps=200_000,
-                num_steps=24, minibatch_size=768, update_epochs=1, actor_lr=1e-4, desired_kl=0.01, critic_lr=3e-4, log_std=-2.0,
+                performance_mode=True, total_env_steps=200_000, num_steps=24, minibatch_size=768, update_epochs=1,
+                actor_lr=1e-4, desired_kl=0.01, critic_lr=3e-4, log_std=-2.0,
                 d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256, terrain_dim=64, critic_dim=256,
                 hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=2),
 }
@@ -154,7 +154,8 @@ class RunningNorm(nn.Module):
         self.count = total
 
     def forward(self, x):
-        return ((x - self.mean) / (self.var.sqrt() + 1e-5)).clamp(-10, 10)
+        # one new tensor, then in place: these stacks are the largest tensors of a CPU forward pass
+        return (x - self.mean).div_(self.var.sqrt() + 1e-5).clamp_(-10, 10)
 
 
 def mlp(sizes, act=nn.ELU, last_act=False):
@@ -482,9 +483,11 @@ def main(args: Args):
         scalars = {"charts/mean_reward": rewards.mean().item(), "charts/episode_return": mean(stats["return"]),
                    "charts/episode_length": mean(stats["length"]), "charts/success_rate": mean(stats["success"]),
                    "charts/gt_err_mm": 1000 * mean(stats["gt_err_m"]), "charts/mpjpe_mm": 1000 * mean(stats["mpjpe_m"]),
-                   "charts/SPS": sps, "charts/sim_time_fraction": sim_time / elapsed, "charts/nan_resets": env.nan_resets,
+                   "charts/SPS": sps, "charts/sim_time_fraction": sim_time / elapsed,
+                   "charts/nan_resets": env.nan_resets,
                    "losses/policy_loss": pg_loss.item(), "losses/value_loss": v_loss.item(),
-                   "losses/approx_kl": mean(approx_kls), "losses/actor_lr": actor_opt.param_groups[0]["lr"], "losses/clipfrac": mean(clipfracs),
+                   "losses/approx_kl": mean(approx_kls), "losses/actor_lr": actor_opt.param_groups[0]["lr"],
+                   "losses/clipfrac": mean(clipfracs),
                    "losses/explained_variance": (1 - (b_returns - b_values).var() / b_returns.var()).item()}
         scalars.update({f"rewards/{k}": mean(v) for k, v in stats["terms"].items()})
         scalars.update({f"dr/{k}": v.float().mean().item() for k, v in env.psi.items()})

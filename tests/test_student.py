@@ -1,5 +1,5 @@
-"""student.py: the DAgger regression, observation noise, checkpoints, the teacher checks and the ONNX export on synthetic
-observations (fast), and, marked slow, a short distillation on one real clip with one shared Genesis env."""
+"""student.py: the DAgger regression, observation noise, checkpoints, the teacher checks and the ONNX export on
+synthetic observations (fast), and, marked slow, a short distillation on one real clip with one shared Genesis env."""
 from __future__ import annotations
 
 import copy
