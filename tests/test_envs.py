@@ -342,3 +342,16 @@ def test_adaptive_starts_follow_failures_and_keep_a_uniform_share(packets, train
     assert torch.equal(other.probabilities(), p)
     with pytest.raises(ValueError, match="different motions"):
         two.load_state(starts.state())
+
+
+def test_random_starts_cover_the_clip_up_to_the_last_start_tick(built):
+    """`start="random"` draws start ticks 0 .. MotionLib.last_start_tick of the clip (START_MARGIN_S before its end),
+    the range AdaptiveStarts uses too. Last in the module: it advances the shared env's generator."""
+    env = built["genesis"]
+    ticks = []
+    for _ in range(60):
+        env.reset()
+        ticks.append(env.tick0.clone())
+    ticks, last = torch.cat(ticks), int(env.motions.last_start_tick[0])
+    assert ticks.min() >= 0 and ticks.max() <= last
+    assert ticks.min() <= 15 and ticks.max() >= last - 15  # 480 uniform draws reach both ends of the range
