@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import pathlib
 import shutil
 import tempfile
@@ -52,6 +53,7 @@ PHYSICS_DT_S = 0.005  # 200 Hz physics
 SPARSE_STATE_DIM = 64  # s in each (s, alpha) pair of H_t and in the student's proprio (see the table above)
 DECIMATION = 4  # 50 Hz policy
 CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
+START_MODES = ("random", "adaptive", "frame0")  # episode starts: uniform, failure-driven (AdaptiveStarts), evaluation
 START_MARGIN_S = 1.0  # episodes start at least this long before their clip ends (shorter clips: at frame 0)
 
 # PD gains (kp N m/rad, kd N m s/rad) and effort limits (N m), per joint group. Paper: hips 100, knees 200, waist 400,
@@ -81,7 +83,9 @@ def joint_table(device="cpu"):
     return kp, kd, lim
 
 
-# Reward (paper App. C): r = sum_i w_i exp(c_i * err_i) - 5e-6 * sum |tau * qdot|; err_i are mean squared errors.
+# Reward (paper App. C): r = sum_i w_i exp(c_i * err_i) - 5e-6 * sum |tau * qdot|; err_i are mean squared errors,
+# averaged over bodies and over the x/y/z (or angle) components (the paper says "mean_err"; ProtoMotions sums x/y/z,
+# a 3x stricter kernel for the same coefficient).
 REWARD_WEIGHTS = {"gt": 0.5, "gr": 0.4, "gv": 0.1, "gav": 0.1, "rh": 0.2,
                   "rt": 0.2}  # the paper gives RT's coefficient (-120) but no weight: 0.2 is ours (as RH)
 REWARD_COEFFS = {"gt": -100.0, "gr": -10.0, "gv": -0.5, "gav": -0.1, "rh": -100.0,
@@ -113,7 +117,7 @@ class DR:
     push_interval_s: tuple[float, float] = (5.0, 10.0)
     """time between pushes"""
     push_vel_mps: float = 0.8
-    """largest horizontal root-velocity kick of a push"""
+    """largest horizontal root-velocity kick of a push (uniform direction, size U[0, this])"""
 
 
 PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction",
@@ -133,6 +137,9 @@ def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str,
         for a in "xyz":
             psi[f"com_offset_{a}_m"] = torch.zeros(n, device=device)
         return psi
+    if not 0 <= dr.delay_steps[0] <= dr.delay_steps[1] <= DECIMATION:
+        raise ValueError(f"DR.delay_steps {dr.delay_steps}: delays are 0..{DECIMATION} physics steps (one control "
+                         f"period)")
     psi = {"delay_steps": torch.randint(dr.delay_steps[0], dr.delay_steps[1] + 1, (n,), generator=gen,
                                         device=device).float()}
     for k in ("mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction"):
@@ -792,8 +799,6 @@ class TrackingEnv:
         self.sim, self.motions, self.terrain, self.dr = sim, motion_lib, terrain, dr
         self.num_envs, self.device = sim.num_envs, sim.device
         # "random": random clip and tick; "adaptive": AdaptiveStarts; "frame0": env i plays clips i, i+N, ... from 0
-        if start not in ("random", "adaptive", "frame0"):
-            raise ValueError(f"unknown start '{start}': choose 'random', 'adaptive' or 'frame0'")
         self.start = start
         self.starts = AdaptiveStarts(motion_lib) if start == "adaptive" else None
         n, dev = self.num_envs, self.device
@@ -801,10 +806,7 @@ class TrackingEnv:
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
         self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
         self.scan_xy = SCAN_XY_M.to(dev)
-        # terrain tiles an env may spawn on, weighted by the training mix
-        mix = terrain_mix or TERRAIN_MIX
-        w = torch.tensor([mix.get(t, 0.0) for t in terrain.tile_types], device=dev)
-        self.tile_weights = w if w.sum() > 0 else torch.ones_like(w)
+        self.tile_weights = tile_weights(terrain.tile_types, terrain_mix or TERRAIN_MIX).to(dev)
         self.spawn_xy = torch.as_tensor(terrain.spawn_xy_m, device=dev)
         # per-env episode state
         self.clip = torch.zeros(n, dtype=torch.long, device=dev)
@@ -923,6 +925,8 @@ class TrackingEnv:
     def step(self, alpha: torch.Tensor):
         """One 50 Hz control step: PD targets alpha [N,29] -> (obs, reward [N], done [N], info)."""
         n, dev = self.num_envs, self.device
+        if alpha.shape != (n, 29):
+            raise ValueError(f"step() takes PD targets alpha of shape [{n}, 29], got {list(alpha.shape)}")
         alpha = alpha.detach().to(dev)
         s_before = self.sparse_buf[:, -1, :SPARSE_STATE_DIM]  # s_t, observed at the end of the last step
         kp = self.kp * self.psi["kp_scale"][:, None]
@@ -933,7 +937,10 @@ class TrackingEnv:
         if push.any():
             ids = push.nonzero().squeeze(-1)
             _, _, v, w = self.sim.root_state()
-            kick = (2 * torch.rand(len(ids), 2, generator=self.gen, device=dev) - 1) * self.dr.push_vel_mps
+            # a uniform horizontal direction, size U[0, push_vel_mps]
+            direction, size = torch.rand(len(ids), 2, generator=self.gen, device=dev).T
+            angle_rad = 2 * math.pi * direction
+            kick = size[:, None] * self.dr.push_vel_mps * torch.stack([angle_rad.cos(), angle_rad.sin()], -1)
             self.sim.set_root_velocity(ids, v[ids] + torch.nn.functional.pad(kick, (0, 1)), w[ids])
             lo, hi = self.dr.push_interval_s
             self.next_push_s[ids] += lo + (hi - lo) * torch.rand(len(ids), generator=self.gen, device=dev)
@@ -947,7 +954,7 @@ class TrackingEnv:
             self.sim.step(tau)
             self.substep_tau[k] = tau
             power += (tau * qd).abs().sum(-1)
-        self.last_alpha = alpha
+        self.last_alpha = alpha.clone()  # the caller keeps its tensor (resets write the reference pose here)
         self.step_count += 1
         body = self.sim.body_state()
         q, qd = self.sim.dof_state()
@@ -1066,6 +1073,14 @@ def tracking_terms(body, ref):
     return terms, metrics
 
 
+def tile_weights(tile_types, mix: dict[str, float]) -> torch.Tensor:
+    """Spawn weight of each terrain tile: its type's share of the training mix over the number of tiles of that type
+    (the mix is per terrain type, not per tile); uniform if no tile type is in the mix."""
+    tile_types = list(tile_types)
+    w = torch.tensor([mix.get(t, 0.0) / tile_types.count(t) for t in tile_types])
+    return w if w.sum() > 0 else torch.ones_like(w)
+
+
 def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
              dr: DR | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
              exclude_test: bool = True, performance_mode: bool = False,
@@ -1075,6 +1090,10 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     performance_mode (Genesis): kernels compiled for this exact num_envs, about 2x faster CPU physics (measured,
     32 envs); it compiles at every start (~70 s on 2 cores); one mode per process. terrain_seed: the heightfield's
     seed (default: seed)."""
+    if num_envs < 1:
+        raise ValueError(f"num_envs must be at least 1, got {num_envs}")
+    if start not in START_MODES:  # before the engine: Isaac Lab allows one simulation per process
+        raise ValueError(f"unknown start '{start}': choose one of {START_MODES}")
     paths = resolve_motions(motions)
     if exclude_test and len(paths) > 1:
         paths, _ = ssjr.train_test_split(paths)

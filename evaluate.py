@@ -9,7 +9,9 @@ the first checkpoint was trained on, env_cfg["sim"]; zero_shot the other one), +
 pushes included), terrain = flat (default) | smooth_slope | rough_slope. The env of a (checkpoint, setting) is
 make_env(**ckpt["env_cfg"]) with sim, dr, terrain, start="frame0", exclude_test=False set by the setting; it is built
 once (with the first seed) and `env.reseed(seed)` restarts it for every seed (so the rough-slope heightfield noise is
-the first seed's; psi, pushes and spawn tiles follow each seed). It is closed (env.close()) before the next one is
+the first seed's; psi, pushes and spawn tiles follow each seed, from one generator that every reset and push draws
+from: two checkpoints see the same psi only in each env's first episode, and the paired t-tests below pair episodes
+by clip, seed and episode index, not by dynamics). It is closed (env.close()) before the next one is
 built, also on errors: Isaac Lab allows one live env per process. Push recovery (+dr settings) is the success rate of
 the episodes that received at least one push (info["pushed"]); pushes come every U[5, 10] s of episode time, so
 episodes shorter than 5 s are never pushed.
@@ -118,9 +120,11 @@ class Args:
     num_envs: int = 16
     """parallel envs (capped at clips x episodes)"""
     device: str = "cpu"
+    """torch / simulation device"""
     max_steps: int = 0
     """stop each rollout after this many control steps, recording unfinished episodes as truncated (0 = no cap)"""
     out_dir: str = "results/eval"
+    """where table.md, episodes.csv, summary.json, plots and videos go"""
     video_clips: tuple[str, ...] = ()
     """clips (packet names, or motion names = all their segments) to render as mp4 (robot + reference keypoints),
     first seed, first episode"""
@@ -871,6 +875,8 @@ def main(args: Args) -> dict:
         raise ValueError(f"--labels needs one distinct name per checkpoint: {labels} for {list(args.ckpt)}")
     if not args.seeds or len(set(args.seeds)) != len(args.seeds):
         raise ValueError(f"--seeds needs one or more distinct seeds: {list(args.seeds)}")
+    if args.num_envs < 1 or args.episodes < 1:
+        raise ValueError(f"--num-envs and --episodes must be at least 1 (got {args.num_envs}, {args.episodes})")
     ckpts = [read_checkpoint(p) for p in args.ckpt]  # fail on a bad file before any simulation
     train_sim = ckpts[0]["env_cfg"].get("sim")
     settings = [parse_setting(t, train_sim) for t in args.settings]

@@ -88,14 +88,16 @@ def fit_psi_probe(histories: torch.Tensor, masks: torch.Tensor, psi: dict[str, t
     m_t are trained end-to-end (MSE on standardized psi) on the first 3/8 of the envs; each psi component is read at
     the iterate with its lowest error on the next 1/8 (early stopping: with few episodes the model soon recognizes
     each training episode and memorizes its psi); R^2 is measured on the other half. The "no_history" baseline is the
-    same model and head with the mask cut to the last entry (the current state and action only). psi components that
-    are constant in the training envs get R^2 = nan. Returns {"hcdr": {name: r2}, "no_history": {name: r2}}.
+    same model and head with the mask cut to the last entry (the last played pair (s_{t-1}, alpha_{t-1})). psi
+    components that are constant in the training envs get R^2 = nan.
+    Returns {"hcdr": {name: r2}, "no_history": {name: r2}}.
     """
     samples_per_env = histories.shape[1]
     fit, val = histories.shape[0] * 3 // 8 * samples_per_env, histories.shape[0] // 2 * samples_per_env
     x, m = histories.flatten(0, 1).float(), masks.flatten(0, 1).bool()
     y = torch.stack([v.flatten().float() for v in psi.values()], dim=-1)
-    # Standardize inputs over the valid training entries, targets over the training samples (the probe is the caller).
+    # Standardize inputs over the valid entries of the fit + early-stopping envs, targets over their samples (the test
+    # half plays no part).
     valid = x[:val][m[:val]]
     x = (x - valid.mean(0)) / valid.std(0).clamp_min(1e-6)
     varies = y[:val].std(0) > 1e-6
@@ -174,8 +176,8 @@ class Args:
     sim: Literal["genesis", "isaaclab", "synthetic"] = "genesis"
     """physics engine of envs.make_env, or 'synthetic' (spring-mass systems, no robot)"""
     num_envs: int = 1024
-    """parallel envs; the first half trains the probe, the second half tests it (random actions fall in ~1 s, so each
-    env plays several episodes; fewer than ~1000 training episodes let the probe memorize them instead)"""
+    """parallel envs; 3/8 fit the probe, 1/8 early-stop it, the other half tests it (random actions fall in ~1 s, so
+    each env plays several episodes; fewer than ~1000 training episodes let the probe memorize them instead)"""
     steps: int = 100
     """control steps (50 Hz) to roll out"""
     record_every: int = 2

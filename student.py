@@ -59,7 +59,8 @@ import envs
 import ssjr
 import teacher
 from envs import SPARSE_STATE_DIM
-from teacher import build_env, check_layout, load_checkpoint, save_checkpoint
+from teacher import (build_env, check_layout, checkpoint_args, continue_env_stream, load_checkpoint, load_weights,
+                     rng_states, save_checkpoint, set_rng_states)
 
 
 @dataclass
@@ -180,6 +181,9 @@ def init_hcdr_from_teacher(policy: StudentPolicy, teacher_agent, path):
     if src.hcdr is None or dst.hcdr is None:
         raise ValueError(f"{path}: --hcdr-from-teacher needs an HCDR in both the teacher and the student")
     mine, theirs = dst.hcdr.state_dict(), src.hcdr.state_dict()
+    if set(mine) != set(theirs):
+        raise ValueError(f"{path}: --hcdr-from-teacher: the teacher's HCDR has another structure "
+                         f"({len(theirs)} tensors vs {len(mine)}); use the teacher's --hcdr-layers")
     bad = [k for k in mine if mine[k].shape != theirs[k].shape]
     if bad:
         raise ValueError(f"{path}: --hcdr-from-teacher: the teacher's HCDR has other sizes ({bad[0]}: "
@@ -201,7 +205,9 @@ def state_noise_std(args: Args, state_dim: int) -> torch.Tensor:
 
 
 def noisy(obs: dict, state_std: torch.Tensor, keypoint_std: float) -> dict:
-    """The student's inputs with sensor noise (a new dict; the teacher keeps the clean ones)."""
+    """The student's inputs with sensor noise (a new dict; the teacher keeps the clean ones). Every stacked entry gets
+    fresh noise at every step, so a past state in both student_proprio and history carries two independent draws;
+    a real sensor's reading keeps its one error."""
     out = {k: obs[k] for k in STUDENT_OBS}
     for k in ("student_proprio", "history"):
         out[k] = obs[k] + torch.randn_like(obs[k]) * state_std
@@ -251,8 +257,8 @@ def student_env_cfg(args: Args, teacher_ckpt: dict) -> dict:
 def load_policy(path, device="cpu"):
     """(student policy in eval mode with act(obs) -> alpha [N, 29], checkpoint dict) for evaluation and export."""
     ckpt = load_checkpoint(path, "student")
-    policy = StudentPolicy(ckpt["obs_layout"], Args(**ckpt["args"])).to(device)
-    policy.load_state_dict(ckpt["model"])
+    policy = StudentPolicy(ckpt["obs_layout"], checkpoint_args(path, ckpt, Args)).to(device)
+    load_weights(path, policy, ckpt["model"])
     return policy.eval(), ckpt
 
 
@@ -274,9 +280,15 @@ def train(args: Args, env=None) -> pathlib.Path:
     device = torch.device(args.device)
     resume = load_checkpoint(args.resume, "student") if args.resume else None
     if resume is not None:  # the checkpoint fixes the teacher, the env and the model; only the budget may change
-        args = dataclasses.replace(Args(**resume["args"]), total_env_steps=args.total_env_steps, resume=args.resume,
-                                   run_dir=str(pathlib.Path(args.resume).parent))  # logs go to the checkpoint's folder
+        args = dataclasses.replace(checkpoint_args(args.resume, resume, Args), total_env_steps=args.total_env_steps,
+                                   resume=args.resume, run_dir=str(pathlib.Path(args.resume).parent),  # its folder
+                                   device=args.device)
+        device = torch.device(args.device)
     teacher_agent, tckpt = load_teacher(args.teacher_ckpt, device)
+    if resume is not None and resume["teacher"]["global_step"] != tckpt["global_step"]:
+        raise ValueError(f"{args.resume}: distilled from {args.teacher_ckpt} at teacher step "
+                         f"{resume['teacher']['global_step']:,}, but that file now holds step {tckpt['global_step']:,} "
+                         f"(the teacher run went on): start a new student")
     env_cfg = student_env_cfg(args, tckpt)
     run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{env_cfg['sim']}_{args.seed}_{int(time.time())}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -287,6 +299,8 @@ def train(args: Args, env=None) -> pathlib.Path:
     if own_env:
         env = build_env(env_cfg, args.num_envs, args.device, args.seed, args.env_workers,
                         performance_mode=args.performance_mode)  # make_env applies it to Genesis only
+    if resume is not None:
+        continue_env_stream(env, resume, device)
     obs = env.reset()
     layout = env.obs_layout
     check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
@@ -295,13 +309,10 @@ def train(args: Args, env=None) -> pathlib.Path:
     global_step, iteration = 0, 0
     if resume is not None:
         check_layout(args.resume, resume["obs_layout"], layout, STUDENT_OBS)
-        policy.load_state_dict(resume["model"])
+        load_weights(args.resume, policy, resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
         global_step, iteration = resume["global_step"], resume["iteration"]
-        torch.set_rng_state(resume["rng"]["torch"])
-        np.random.set_state(resume["rng"]["numpy"])
-        random.setstate(resume["rng"]["python"])
-        env.set_rng_state(resume["rng"]["env"])  # the env's clip/psi/push sequence continues
+        set_rng_states(resume["rng"], device)
         print(f"resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
     else:
         policy.alpha_0.copy_(env.motions.mean_dof_pos)
@@ -318,8 +329,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             "kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
             "model": policy.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
             "iteration": iteration, "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                    "env": env.get_rng_state()}})
+            "rng": {**rng_states(device), "env": env.get_rng_state()}})
 
     stop = {"now": False}
     previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: save, exit

@@ -87,7 +87,7 @@ class Args:
     max_grad_norm: float = 50.0
     """gradient clipping"""
     desired_kl: float = 0.0
-    """> 0: adapt the actor lr after each minibatch to keep the approx-KL near this (rsl_rl schedule); 0: fixed lr"""
+    """> 0: before each actor step, scale the lr by 1/1.5 (KL > 2x this) or 1.5 (KL < this/2) (rsl_rl); 0: fixed"""
     log_std: float = -2.9
     """fixed log standard deviation of the Gaussian policy"""
     action_scale: float = 1.0
@@ -290,7 +290,28 @@ def load_checkpoint(path, kind: str) -> dict:
     if not isinstance(ckpt, dict) or ckpt.get("kind") != kind:
         found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise ValueError(f"{path}: expected a {kind} checkpoint, found {found!r}")
+    missing = [k for k in ("args", "obs_layout", "model", "global_step") if k not in ckpt]
+    if missing:
+        raise ValueError(f"{path}: {kind} checkpoint without {missing} (incomplete or from another tool)")
     return ckpt
+
+
+def checkpoint_args(path, ckpt: dict, cls):
+    """The checkpoint's settings as `cls` (teacher or student Args); settings this version does not know fail."""
+    unknown = sorted(set(ckpt["args"]) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"{path}: settings {unknown} are unknown to this {cls.__module__}.py (checkpoint written by "
+                         f"another version)")
+    return cls(**ckpt["args"])
+
+
+def load_weights(path, module: nn.Module, state: dict):
+    """load_state_dict with an error that names the checkpoint."""
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as e:
+        detail = (str(e).splitlines()[1:] or [str(e)])[0].strip()[:200]  # the first complaint, e.g. a size mismatch
+        raise ValueError(f"{path}: the weights do not fit the model its settings build ({detail})") from None
 
 
 def check_layout(path, expected: dict, found: dict, keys):
@@ -299,6 +320,31 @@ def check_layout(path, expected: dict, found: dict, keys):
         if list(expected.get(k, [])) != list(found.get(k, [])):
             raise ValueError(f"{path}: observation layout mismatch for '{k}': checkpoint has {expected.get(k)}, "
                              f"this env gives {found.get(k)} (different env version or settings)")
+
+
+def rng_states(device) -> dict:
+    """The learner's random streams (policy sampling, minibatch order) for an exact --resume."""
+    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device):
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def continue_env_stream(env, resume: dict, device):
+    """--resume: the env's clip/psi/push sequence continues where the checkpoint left it (same device type only: a
+    generator's state does not fit another device's generator)."""
+    if torch.device(resume["args"]["device"]).type == device.type:
+        env.set_rng_state(resume["rng"]["env"])
+    else:
+        print(f"resuming a {resume['args']['device']} run on {device}: the env's random stream restarts from the seed")
 
 
 def env_kwargs(args) -> dict:
@@ -319,9 +365,9 @@ def build_env(cfg: dict, num_envs: int, device: str, seed: int, workers: int = 1
 def load_policy(path, device="cpu"):
     """(teacher Agent in eval mode, checkpoint dict) for evaluation and distillation."""
     ckpt = load_checkpoint(path, "teacher")
-    args = Args(**ckpt["args"])
+    args = checkpoint_args(path, ckpt, Args)
     agent = Agent(ckpt["obs_layout"], args).to(device)
-    agent.load_state_dict(ckpt["model"])
+    load_weights(path, agent, ckpt["model"])
     return agent.eval(), ckpt
 
 
@@ -352,9 +398,13 @@ def main(args: Args):
     device = torch.device(args.device)
     resume = load_checkpoint(args.resume, "teacher") if args.resume else None
     if resume is not None:  # the checkpoint fixes the env and the model; only the budget may change
-        args = dataclasses.replace(Args(**resume["args"]), total_env_steps=args.total_env_steps, resume=args.resume,
-                                   run_dir=str(pathlib.Path(args.resume).parent), device=args.device)  # its folder
+        args = dataclasses.replace(checkpoint_args(args.resume, resume, Args), total_env_steps=args.total_env_steps,
+                                   resume=args.resume, run_dir=str(pathlib.Path(args.resume).parent),  # its folder
+                                   device=args.device)
         device = torch.device(args.device)
+    if args.minibatch_size > args.num_envs * args.num_steps:
+        raise SystemExit(f"--minibatch-size {args.minibatch_size} is larger than a rollout "
+                         f"({args.num_envs} envs x {args.num_steps} steps)")
     run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{args.sim}_{args.seed}_{int(time.time())}")
     run_dir.mkdir(parents=True, exist_ok=True)
     args.run_dir = str(run_dir)
@@ -362,6 +412,8 @@ def main(args: Args):
 
     env = build_env(env_kwargs(args), args.num_envs, args.device, args.seed, args.env_workers,
                     performance_mode=args.performance_mode)  # make_env applies it to Genesis only
+    if resume is not None:
+        continue_env_stream(env, resume, device)
     obs = env.reset()
     layout = env.obs_layout
     agent = Agent(layout, args).to(device)
@@ -371,14 +423,11 @@ def main(args: Args):
     global_step, iteration = 0, 0
     if resume is not None:
         check_layout(args.resume, resume["obs_layout"], layout, TEACHER_OBS)
-        agent.load_state_dict(resume["model"])
+        load_weights(args.resume, agent, resume["model"])
         actor_opt.load_state_dict(resume["actor_opt"])
         critic_opt.load_state_dict(resume["critic_opt"])
         global_step, iteration = resume["global_step"], resume["iteration"]
-        torch.set_rng_state(resume["rng"]["torch"])
-        np.random.set_state(resume["rng"]["numpy"])
-        random.setstate(resume["rng"]["python"])
-        env.set_rng_state(resume["rng"]["env"])  # the env's clip/psi/push sequence continues
+        set_rng_states(resume["rng"], device)
         print(f"resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
 
     from torch.utils.tensorboard import SummaryWriter
@@ -390,17 +439,16 @@ def main(args: Args):
             "kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_kwargs(args), "obs_layout": layout,
             "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
             "global_step": global_step, "iteration": iteration,
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                    "env": env.get_rng_state()}})
+            "rng": {**rng_states(device), "env": env.get_rng_state()}})
 
     stop = {"now": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish the iteration, save, exit
+    previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish, save, exit
 
     # ALGO LOGIC: storage (preallocated rollout buffers)
     n, T = args.num_envs, args.num_steps
     buf_obs = {k: torch.zeros((T, n, *layout[k]), dtype=obs[k].dtype, device=device) for k in TEACHER_OBS}
     actions = torch.zeros(T, n, 29, device=device)
-    logprobs, rewards, dones, values = (torch.zeros(T, n, device=device) for _ in range(4))
+    logprobs, rewards, dones, time_outs, values = (torch.zeros(T, n, device=device) for _ in range(5))
     ep_return, ep_len = torch.zeros(n, device=device), torch.zeros(n, device=device)
     num_iterations = args.total_env_steps // (n * T)
     start_time, start_step = time.time(), global_step
@@ -423,7 +471,7 @@ def main(args: Args):
             t0 = time.time()
             obs, reward, done, info = env.step(agent.to_alpha(obs, a))
             sim_time += time.time() - t0
-            rewards[step], dones[step] = reward, done.float()
+            rewards[step], dones[step], time_outs[step] = reward, done.float(), info["time_out"].float()
             ep_return += reward
             ep_len += 1
             stats["gt_err_m"].append(info["metrics"]["gt_err_m"].mean().item())
@@ -436,9 +484,11 @@ def main(args: Args):
                 stats["success"] += info["time_out"][done].float().tolist()
                 ep_return[done], ep_len[done] = 0.0, 0.0
 
-        # ALGO LOGIC: GAE (time-outs at the clip end are treated as terminal: the clip is over)
+        # ALGO LOGIC: GAE. A clip end is a time limit, not a failure: it is bootstrapped with V(s_t) (rsl_rl), since
+        # the critic cannot tell how much of the clip is left
         with torch.no_grad():
-            advantages = compute_gae(rewards, values, dones, agent.value(obs), args.gamma, args.gae_lambda)
+            advantages = compute_gae(rewards + args.gamma * values * time_outs, values, dones, agent.value(obs),
+                                     args.gamma, args.gae_lambda)
             returns = advantages + values
 
         # ALGO LOGIC: PPO update (clipped surrogate + value loss)
@@ -448,16 +498,18 @@ def main(args: Args):
         b_actions, b_logprobs, b_adv, b_returns, b_values = map(flat, (actions, logprobs, advantages, returns,
                                                                       values))
         clipfracs, approx_kls = [], []
-        for _ in range(args.update_epochs):
+        for epoch in range(args.update_epochs):
             perm = torch.randperm(n * T, device=device)
-            for start in range(0, n * T, args.minibatch_size):
+            for start in range(0, n * T - args.minibatch_size + 1, args.minibatch_size):  # full minibatches only
                 mb = perm[start:start + args.minibatch_size]
                 mb_obs = {k: v[mb] for k, v in b_obs.items()}
                 pg_loss, v_loss, approx_kl, clipfrac = ppo_losses(agent, mb_obs, b_actions[mb], b_logprobs[mb],
                                                                   b_adv[mb], b_returns[mb], args.clip_coef)
                 approx_kls.append(approx_kl)
                 clipfracs.append(clipfrac)
-                if args.desired_kl > 0:  # adaptive step size: shrink when the policy moved too far, grow when timid
+                # adaptive step size: shrink when the policy moved too far, grow when timid (not on the first
+                # minibatch: the policy is still the rollout's, its KL is 0)
+                if args.desired_kl > 0 and (epoch > 0 or start > 0):
                     for group in actor_opt.param_groups:
                         if approx_kl > 2.0 * args.desired_kl:
                             group["lr"] = max(group["lr"] / 1.5, 1e-6)
@@ -503,6 +555,7 @@ def main(args: Args):
         if iteration % args.checkpoint_every == 0:
             checkpoint()
     checkpoint()
+    signal.signal(signal.SIGINT, previous_handler)
     writer.close()
     env.close()
     if (run_dir / "metrics.jsonl").exists():

@@ -217,6 +217,25 @@ def test_terrain_height_scan_sees_slopes():
     assert envs.make_terrain("flat").is_flat
 
 
+def test_terrain_mix_is_per_terrain_type_not_per_tile():
+    terrain = envs.make_terrain("mix")  # half of its tiles are flat
+    w = envs.tile_weights(terrain.tile_types, envs.TERRAIN_MIX)
+    types = np.array(terrain.tile_types)
+    for t, share in envs.TERRAIN_MIX.items():
+        assert (w[torch.as_tensor(types == t)].sum() / w.sum()).item() == pytest.approx(share)
+
+
+def test_bad_env_arguments_are_clear_errors(env, train_packet):
+    with pytest.raises(ValueError, match="unknown start 'late'"):  # before any engine is built
+        envs.make_env("isaaclab", N, "cpu", train_packet, start="late")
+    with pytest.raises(ValueError, match="at least 1"):
+        envs.make_env("genesis", 0, "cpu", train_packet)
+    with pytest.raises(ValueError, match="delay_steps"):
+        envs.sample_psi(envs.DR(delay_steps=(0, 5)), N, torch.Generator(), "cpu")
+    with pytest.raises(ValueError, match=r"shape \[8, 29\], got \[8, 28\]"):
+        env.step(torch.zeros(N, 28))
+
+
 def test_same_pd_hold_gives_close_trajectories_on_both_engines(built):
     """Cross-engine sanity: the same initial state (reference frame 0) and the same PD hold of that pose, nominal
     dynamics, 0.3 s. Loose tolerance: the engines differ in contact models and solvers (that is the point of the

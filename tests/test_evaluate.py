@@ -250,6 +250,9 @@ def test_checkpoint_errors(tmp_path):
         ev.check_obs_layout({"future": [8, 569], "proprio": [5, 535]}, {"future": [8, 10], "proprio": [5, 535]},
                             "s.pt")
     ev.check_obs_layout({"future": [8, 569], "terrain": [121]}, {"future": (8, 569)}, "s.pt")
+    for bad in (dict(num_envs=0), dict(episodes=0)):  # would never finish / build an empty env
+        with pytest.raises(ValueError, match="at least 1"):
+            ev.main(ev.Args(ckpt=(str(junk),), **bad))
 
 
 @pytest.mark.parametrize("n, clips, eps", [(8, 8, 1), (8, 8, 2), (3, 8, 2), (16, 8, 2), (5, 7, 3), (1, 4, 1)])

@@ -132,6 +132,12 @@ def test_bad_teacher_checkpoints_are_clear_errors(tmp_path):
         student.load_policy(t_path)
     with pytest.raises(ValueError, match="expected a student"):  # train --resume with a teacher checkpoint
         student.train(dataclasses.replace(CPU, teacher_ckpt=str(t_path), resume=str(t_path)))
+    # a student resumed after its teacher's file was overwritten by a longer teacher run
+    distilled = torch.load(s_path, weights_only=False)
+    distilled["args"]["teacher_ckpt"], distilled["teacher"] = str(t_path), {"path": str(t_path), "global_step": 5}
+    torch.save(distilled, s_path)
+    with pytest.raises(ValueError, match="teacher step 5, but that file now holds step 0"):
+        student.train(dataclasses.replace(CPU, resume=str(s_path)))
 
 
 def test_env_cfg_comes_from_the_teacher():
@@ -151,6 +157,9 @@ def test_hcdr_from_teacher(tmp_path):
     assert torch.equal(policy.actor.history_norm.mean, agent.actor.history_norm.mean)
     with pytest.raises(ValueError, match="other sizes"):
         student.init_hcdr_from_teacher(student.StudentPolicy(LAYOUT, dataclasses.replace(CPU, hcdr_dim=16)), agent,
+                                       "t.pt")
+    with pytest.raises(ValueError, match="another structure"):
+        student.init_hcdr_from_teacher(student.StudentPolicy(LAYOUT, dataclasses.replace(CPU, hcdr_layers=2)), agent,
                                        "t.pt")
 
 
