@@ -16,6 +16,7 @@ Robot sources give full packets; human sources (AMASS joints, BVH) give keypoint
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pathlib
@@ -504,15 +505,17 @@ def load_g1_csv(path: pathlib.Path, fps: float | None = None, allow_23dof: bool 
     if data.size == 0:
         raise MotionError(path, "empty clip (no frames)")
     if data.shape[1] not in (36, 30):
-        raise MotionError(path, f"wrong column count {data.shape[1]}: expected 36 (root xyz, quat xyzw, 29 joints)")
+        raise MotionError(path, f"wrong column count {data.shape[1]}: expected 36 (root xyz, quat xyzw, 29 joints) or "
+                                f"30 (23 joints)")
     notes: list[str] = []
     dof = _to_29dof(path, data[:, 7:], allow_23dof, notes)
-    fps = _fps(path, None, fps if fps is not None else _manifest_fps(path))
+    fps = _fps(path, _manifest_fps(path), fps)  # G1 Moves' manifest first; --fps for CSVs without one
     return [RobotMotion(path.stem, fps, data[:, :3], data[:, [6, 3, 4, 5]], dof, str(path), notes)]
 
 
 def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bool = False) -> list[RobotMotion]:
-    """BeyondMimic/mjlab npz: fps, joint_pos [T,29] (+ body_pos_w/body_quat_w for the root) or [T,36] (root first)."""
+    """BeyondMimic/mjlab npz: fps, joint_pos [T,29] (+ body_pos_w/body_quat_w for the root) or [T,36] (root first).
+    Joints are in MuJoCo order unless joint_names says otherwise (an Isaac Lab export needs its joint_names)."""
     with np.load(path, allow_pickle=False) as npz:
         d = dict(npz)
     fps = _fps(path, d.get("fps"), fps)
@@ -529,12 +532,14 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
         names = [str(n) for n in d.get("body_names", ["pelvis"])]
         root = names.index("pelvis") if "pelvis" in names else 0
         root_pos, root_quat, dof = d["body_pos_w"][:, root], d["body_quat_w"][:, root], joint_pos
-        if "joint_names" in d and dof.shape[1] == 29:
-            names = [str(n) for n in d["joint_names"]]
-            missing = [n for n in DOF_NAMES if n not in names]
-            if missing:
-                raise MotionError(path, f"joint_names lacks {missing[:3]}...")
-            dof = dof[:, [names.index(n) for n in DOF_NAMES]]
+    if "joint_names" in d and dof.shape[1] == 29:  # without names, joints are taken to be in MuJoCo order
+        names = [str(n) for n in d["joint_names"]]
+        missing = [n for n in DOF_NAMES if n not in names]
+        if len(names) != 29:
+            raise MotionError(path, f"joint_names has {len(names)} entries for 29 joint columns")
+        if missing:
+            raise MotionError(path, f"joint_names lacks {missing[:3]}...")
+        dof = dof[:, [names.index(n) for n in DOF_NAMES]]
     dof = _to_29dof(path, np.asarray(dof, dtype=np.float64), allow_23dof, notes)
     return [RobotMotion(path.stem, fps, np.asarray(root_pos, np.float64), np.asarray(root_quat, np.float64), dof,
                         str(path), notes)]
@@ -706,7 +711,7 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
     if n_frames <= 0 or values.size != n_frames * n_chan:
         raise MotionError(path, f"BVH motion has {values.size} numbers, expected {n_frames} frames x {n_chan} "
                                 f"channels")
-    if frame_time <= 0:
+    if not np.isfinite(frame_time) or frame_time <= 0:
         raise MotionError(path, f"invalid frame rate (Frame Time {frame_time})")
     motion = torch.tensor(values.reshape(n_frames, n_chan))
     axes = {"X": torch.tensor([1.0, 0, 0], dtype=torch.float64), "Y": torch.tensor([0, 1.0, 0], dtype=torch.float64),
@@ -766,7 +771,7 @@ def load_motions(path: pathlib.Path, fmt: str = "auto", fps: float | None = None
             return load_bvh(path, bvh_scale_m, bvh_up)
     except MotionError:
         raise
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+    except (OSError, ValueError, KeyError, IndexError, TypeError, zipfile.BadZipFile, EOFError) as e:
         raise MotionError(path, f"cannot read as {fmt} ({type(e).__name__}: {e})") from None
     raise MotionError(path, f"unknown format {fmt!r} (one of {FORMATS})")
 
@@ -1125,6 +1130,7 @@ def convert(args: Convert) -> list[ClipReport]:
         raise MotionError(args.out, f"output folder is not writable ({e.strerror or e})") from None
     kin = G1Kinematics()
     reports = []
+    written_from: dict[str, str] = {}  # output clip name -> its source: two sources must not share a name
     for path in motion_files(args.src):
         try:
             motions = load_motions(path, args.format, args.fps, args.allow_23dof, args.smpl_model, args.bvh_scale_m,
@@ -1138,6 +1144,11 @@ def convert(args: Convert) -> list[ClipReport]:
             report = ClipReport(m.source, m.name, "robot" if robot else "human", m.fps,
                                 len(m.dof_pos if robot else m.joints) / m.fps, notes=m.notes)
             try:
+                if written_from.setdefault(m.name, m.source) != m.source:
+                    raise MotionError(m.source, f"clip name '{m.name}' is also {written_from[m.name]}'s: its packets "
+                                                f"would overwrite those (rename one file)")
+                for stale in args.out.glob(f"{glob.escape(m.name)}_seg[0-9][0-9].npz"):  # from an earlier conversion
+                    stale.unlink()
                 (convert_robot if robot else convert_human)(m, kin, args, report)
             except MotionError as e:
                 print(e, file=sys.stderr)

@@ -290,7 +290,7 @@ def load_checkpoint(path, kind: str) -> dict:
     if not isinstance(ckpt, dict) or ckpt.get("kind") != kind:
         found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise ValueError(f"{path}: expected a {kind} checkpoint, found {found!r}")
-    missing = [k for k in ("args", "obs_layout", "model", "global_step") if k not in ckpt]
+    missing = [k for k in ("args", "obs_layout", "model") if k not in ckpt]
     if missing:
         raise ValueError(f"{path}: {kind} checkpoint without {missing} (incomplete or from another tool)")
     return ckpt

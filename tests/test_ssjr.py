@@ -438,6 +438,27 @@ def test_folder_with_a_bad_file_converts_the_rest(tmp_path):
     assert "23-DoF" in reports["bad"].error
 
 
+def test_bvh_with_an_infinite_frame_time_is_a_clear_error(tmp_path):
+    text = (ssjr.DATA_ROOT / "cmu_bvh" / "131_02.bvh").read_text()
+    start = text.index("Frame Time:")
+    bad = tmp_path / "inf.bvh"
+    bad.write_text(text[:start] + "Frame Time: inf" + text[text.index("\n", start):])
+    with pytest.raises(ssjr.MotionError, match="invalid frame rate"):
+        ssjr.load_motions(bad)
+
+
+def test_two_sources_of_one_clip_name_and_stale_segments(tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        write_csv(tmp_path / folder / "clip.csv", standing_rows(4.0))
+    (tmp_path / "out").mkdir()
+    stale = tmp_path / "out" / "clip_seg07.npz"  # left by an earlier conversion of a longer "clip"
+    stale.write_bytes(b"")
+    first, second = ssjr.convert(convert_args(tmp_path, tmp_path / "a", tmp_path / "b", fps=30.0))
+    assert first.kept == 1 and not first.error and not stale.exists()
+    assert second.kept == 0 and "would overwrite" in second.error and second.error.startswith(str(tmp_path / "b"))
+
+
 def test_unwritable_output_folder(tmp_path):
     (tmp_path / "file").write_text("")
     args = ssjr.Convert(src=(tmp_path,), out=tmp_path / "file" / "out")
@@ -460,7 +481,8 @@ def test_cli_prints_one_line_without_traceback(tmp_path):
     run = subprocess.run([sys.executable, str(REPO / "ssjr.py"), "convert", str(bad), "--out", str(tmp_path / "o"),
                           "--fps", "30"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert run.stderr.strip() == f"{bad}: wrong column count 20: expected 36 (root xyz, quat xyzw, 29 joints)"
+    assert run.stderr.strip() == (f"{bad}: wrong column count 20: expected 36 (root xyz, quat xyzw, 29 joints) or 30 "
+                                  f"(23 joints)")
     assert "clips: 1 in, 0 kept" in run.stdout
 
 
