@@ -119,6 +119,11 @@ class DR:
     push_vel_mps: float = 0.8
     """largest horizontal root-velocity kick of a push (uniform direction, size U[0, this])"""
 
+    def __post_init__(self):
+        if not 0 <= self.delay_steps[0] <= self.delay_steps[1] <= DECIMATION:
+            raise ValueError(f"DR.delay_steps {self.delay_steps}: delays are 0..{DECIMATION} physics steps (one "
+                             f"control period)")
+
 
 PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction",
             "com_offset_x_m", "com_offset_y_m", "com_offset_z_m")
@@ -137,9 +142,6 @@ def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str,
         for a in "xyz":
             psi[f"com_offset_{a}_m"] = torch.zeros(n, device=device)
         return psi
-    if not 0 <= dr.delay_steps[0] <= dr.delay_steps[1] <= DECIMATION:
-        raise ValueError(f"DR.delay_steps {dr.delay_steps}: delays are 0..{DECIMATION} physics steps (one control "
-                         f"period)")
     psi = {"delay_steps": torch.randint(dr.delay_steps[0], dr.delay_steps[1] + 1, (n,), generator=gen,
                                         device=device).float()}
     for k in ("mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction"):

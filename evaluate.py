@@ -52,6 +52,7 @@ episode of T steps, B=30 bodies:
   joints (the MJCF's fixed body offset cancels). These three use the T-1 step pairs of an episode (NaN if T < 2).
 
 Aggregation: per (checkpoint, setting, seed) the mean over its episodes; tables show mean +- std (ddof 1) over seeds.
+A blown-up episode fails; its error metrics are NaN and left out of the means, and the report's notes count it.
 Significance: paired t-test (own Student-t CDF via the regularized incomplete beta function, no scipy) of each
 checkpoint against the first one, pairing episodes by (clip, seed, episode); p < alpha (0.01) is flagged.
 
@@ -920,12 +921,16 @@ def coverage_notes(rows: list[dict], labels: list[str], settings: list[Setting],
                    num_envs: int, video_setting: str) -> list[str]:
     """What --max-steps (a cap on each whole rollout, not on each episode) left unplayed: env i plays clips i, i+N,
     ... one after the other, so with more clips than envs the later ones are only reached if the earlier ones end
-    in time. Also names --video-clips that were never recorded."""
+    in time. Also counts blown-up (NaN) episodes, and names --video-clips that were never recorded."""
     notes, by = [], group(rows, "label", "setting")
     planned = len(clips) * args.episodes * len(args.seeds)
     for label in labels:
         for s in settings:
             sel = by.get((label, s.name), [])
+            blown_up = sum(r["nan"] for r in sel)
+            if blown_up:
+                notes.append(f"{label} | {s.name}: {blown_up} of {len(sel)} episodes blew up (NaN state); they count "
+                             f"as failures and are left out of the error means")
             if len(sel) < planned:
                 unreached = [c for c in clips if not any(r["clip"] == c for r in sel)]
                 notes.append(f"{label} | {s.name}: {planned - len(sel)} of {planned} planned episodes not reached "

@@ -231,7 +231,7 @@ def test_bad_env_arguments_are_clear_errors(env, train_packet):
     with pytest.raises(ValueError, match="at least 1"):
         envs.make_env("genesis", 0, "cpu", train_packet)
     with pytest.raises(ValueError, match="delay_steps"):
-        envs.sample_psi(envs.DR(delay_steps=(0, 5)), N, torch.Generator(), "cpu")
+        envs.DR(delay_steps=(0, 5))
     with pytest.raises(ValueError, match=r"shape \[8, 29\], got \[8, 28\]"):
         env.step(torch.zeros(N, 28))
 

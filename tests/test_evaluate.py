@@ -638,6 +638,15 @@ def test_main_notes_the_episodes_max_steps_cut_off(tmp_path, monkeypatch):
     assert "**Notes**" in report and "; 16 of all 20 recorded episodes were cut short by --max-steps" in report
 
 
+def test_blown_up_episodes_are_counted_in_the_notes():
+    settings = [ev.parse_setting(s, "genesis") for s in ("genesis", "genesis+dr")]
+    rows = [{"label": "HoRD", "setting": s.name, "clip": "a", "motion": "a", "seed": 0, "episode": e, "nan": int(s.dr and e == 1)}
+            for s in settings for e in range(2)]
+    notes = ev.coverage_notes(rows, ["HoRD"], settings, ev.Args(ckpt=("t.pt",), seeds=(0,), episodes=2), ["a"], 2, "genesis")
+    assert notes == ["HoRD | genesis+dr: 1 of 2 episodes blew up (NaN state); they count as failures and are left "
+                     "out of the error means"]
+
+
 def test_main_closes_the_env_when_a_rollout_fails(tmp_path, monkeypatch):
     args, built = scripted_main(tmp_path, monkeypatch, raise_at_step=3)
     with pytest.raises(RuntimeError, match="engine exploded"):
