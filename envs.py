@@ -459,11 +459,14 @@ class GenesisSim:
         qpos = torch.cat([root_pos, root_quat, q], -1)
         qs = [0, 1, 2, 3, 4, 5, 6] + [d + 1 for d in self.dofs]  # free joint: 3 pos + 4 quat in qpos, 6 dofs in qvel
         self.robot.set_qpos(qpos, qs, envs_idx=env_ids, zero_velocity=True)
-        self.robot.set_dofs_velocity(torch.cat([root_lin_vel, root_ang_vel, qd], -1), [0, 1, 2, 3, 4, 5] + self.dofs,
+        # free joint dofs: linear velocity in the world frame, angular velocity in the root's own frame (as MuJoCo)
+        ang_vel_b = quat_apply(quat_conj(root_quat), root_ang_vel)
+        self.robot.set_dofs_velocity(torch.cat([root_lin_vel, ang_vel_b, qd], -1), [0, 1, 2, 3, 4, 5] + self.dofs,
                                      envs_idx=env_ids)
 
     def set_root_velocity(self, env_ids, lin_vel_w, ang_vel_w):
-        self.robot.set_dofs_velocity(torch.cat([lin_vel_w, ang_vel_w], -1), [0, 1, 2, 3, 4, 5], envs_idx=env_ids)
+        ang_vel_b = quat_apply(quat_conj(self._t(self.robot.get_quat(envs_idx=env_ids))), ang_vel_w)
+        self.robot.set_dofs_velocity(torch.cat([lin_vel_w, ang_vel_b], -1), [0, 1, 2, 3, 4, 5], envs_idx=env_ids)
 
     def set_gravity(self, env_ids, g_w):
         self.scene.sim.set_gravity(g_w, envs_idx=env_ids)
