@@ -979,7 +979,8 @@ class TrackingEnv:
                               metrics["max_body_err_m"])
         failed = max_err > TERMINATION_ERR_M
         time_out = self.tick() >= self.motions.num_ticks[self.clip] - 1
-        blown_up = self.sim.nan_envs() | ~torch.isfinite(body[0]).all(-1).all(-1) | ~torch.isfinite(q).all(-1)
+        finite = torch.isfinite(torch.cat([x.flatten(1) for x in (*body, q, qd, reward[:, None])], 1)).all(-1)
+        blown_up = self.sim.nan_envs() | ~finite
         reward = torch.where(blown_up, torch.zeros_like(reward), reward)
         failed = failed | blown_up
         if self.starts is not None:

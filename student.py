@@ -365,7 +365,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             ep_len += 1
             stats["teacher_steps"] += int(use_teacher.sum())
             stats["action_mse"].append((alpha_2 - alpha_1).pow(2).mean().item())
-            stats["gt_err_m"].append(info["metrics"]["gt_err_m"].mean().item())
+            stats["gt_err_m"].append(info["metrics"]["gt_err_m"].nanmean().item())
             if done.any():
                 stats["length"] += ep_len[done].tolist()
                 stats["success"] += info["time_out"][done].float().tolist()

@@ -474,10 +474,10 @@ def main(args: Args):
             rewards[step], dones[step], time_outs[step] = reward, done.float(), info["time_out"].float()
             ep_return += reward
             ep_len += 1
-            stats["gt_err_m"].append(info["metrics"]["gt_err_m"].mean().item())
-            stats["mpjpe_m"].append(info["metrics"]["mpjpe_m"].mean().item())
+            stats["gt_err_m"].append(info["metrics"]["gt_err_m"].nanmean().item())  # nan: a blown-up env
+            stats["mpjpe_m"].append(info["metrics"]["mpjpe_m"].nanmean().item())
             for k, v in info["reward_terms"].items():
-                stats["terms"].setdefault(k, []).append(v.mean().item())
+                stats["terms"].setdefault(k, []).append(v.nanmean().item())
             if done.any():
                 stats["return"] += ep_return[done].tolist()
                 stats["length"] += ep_len[done].tolist()
