@@ -640,9 +640,10 @@ def test_main_notes_the_episodes_max_steps_cut_off(tmp_path, monkeypatch):
 
 def test_blown_up_episodes_are_counted_in_the_notes():
     settings = [ev.parse_setting(s, "genesis") for s in ("genesis", "genesis+dr")]
-    rows = [{"label": "HoRD", "setting": s.name, "clip": "a", "motion": "a", "seed": 0, "episode": e, "nan": int(s.dr and e == 1)}
-            for s in settings for e in range(2)]
-    notes = ev.coverage_notes(rows, ["HoRD"], settings, ev.Args(ckpt=("t.pt",), seeds=(0,), episodes=2), ["a"], 2, "genesis")
+    rows = [{"label": "HoRD", "setting": s.name, "clip": "a", "motion": "a", "seed": 0, "episode": e,
+             "nan": int(s.dr and e == 1)} for s in settings for e in range(2)]
+    args = ev.Args(ckpt=("t.pt",), seeds=(0,), episodes=2)
+    notes = ev.coverage_notes(rows, ["HoRD"], settings, args, ["a"], 2, "genesis")
     assert notes == ["HoRD | genesis+dr: 1 of 2 episodes blew up (NaN state); they count as failures and are left "
                      "out of the error means"]
 
