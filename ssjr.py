@@ -534,9 +534,9 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
         root_pos, root_quat, dof = d["body_pos_w"][:, root], d["body_quat_w"][:, root], joint_pos
     if "joint_names" in d and dof.shape[1] == 29:  # without names, joints are taken to be in MuJoCo order
         names = [str(n) for n in d["joint_names"]]
-        missing = [n for n in DOF_NAMES if n not in names]
         if len(names) != 29:
             raise MotionError(path, f"joint_names has {len(names)} entries for 29 joint columns")
+        missing = [n for n in DOF_NAMES if n not in names]
         if missing:
             raise MotionError(path, f"joint_names lacks {missing[:3]}...")
         dof = dof[:, [names.index(n) for n in DOF_NAMES]]
