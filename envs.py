@@ -435,6 +435,9 @@ class GenesisSim:
         self.default_torso_com = self._t(self.robot.get_links_COM([self.links[self.torso]]))[:, 0]
         self.robot.set_dofs_kp(torch.zeros(num_envs, 29), self.dofs)
         self.robot.set_dofs_kv(torch.zeros(num_envs, 29), self.dofs)
+        from genesis.utils.misc import qd_to_torch
+        self._errno = qd_to_torch(self.scene.rigid_solver._errno, copy=False)  # the per-env error flags, a live view
+        self._blown_up = torch.zeros(num_envs, dtype=torch.bool, device=self.device)
 
     def _t(self, x):
         return torch.as_tensor(x, device=self.device, dtype=torch.float32)
@@ -442,6 +445,11 @@ class GenesisSim:
     def step(self, tau_nm: torch.Tensor):
         self.robot.control_dofs_force(tau_nm, self.dofs)
         self.scene.step()
+        # Genesis raises at its next error check (every 10 substeps) once an env has gone non-finite, which can come
+        # before the task's check at the end of the control step. The flags move here (no host sync) and nan_envs()
+        # hands them to the task, which resets those envs.
+        self._blown_up |= self._errno != 0
+        self._errno.zero_()
 
     def dof_state(self):
         return self._t(self.robot.get_dofs_position(self.dofs)), self._t(self.robot.get_dofs_velocity(self.dofs))
@@ -490,7 +498,9 @@ class GenesisSim:
         self.robot.set_dofs_frictionloss(frictionloss, self.dofs, envs_idx=env_ids)
 
     def nan_envs(self):
-        return self._t(self.scene.rigid_solver.get_error_envs_mask()).bool()
+        """Envs the engine flagged (non-finite forces or accelerations) since the last call."""
+        blown_up, self._blown_up = self._blown_up, torch.zeros_like(self._blown_up)
+        return blown_up
 
     def close(self):
         """Nothing to release: several Genesis scenes may live in one process."""

@@ -393,3 +393,42 @@ def test_random_starts_cover_the_clip_up_to_the_last_start_tick(built):
     ticks, last = torch.cat(ticks), int(env.motions.last_start_tick[0])
     assert ticks.min() >= 0 and ticks.max() <= last
     assert ticks.min() <= 15 and ticks.max() >= last - 15  # 480 uniform draws reach both ends of the range
+
+
+def write_nan_joint_velocity(env, i):
+    """A real non-finite state in env i, written into the engine (not a mocked nan_envs)."""
+    nan = torch.full((1, 29), float("nan"))
+    ids = torch.tensor([i])
+    if isinstance(env.sim, envs.GenesisSim):
+        env.sim.robot.set_dofs_velocity(nan, env.sim.dofs, envs_idx=ids)
+    else:
+        env.sim.robot.write_joint_velocity_to_sim_index(velocity=nan, env_ids=ids.to(torch.int32))
+
+
+def test_real_blow_ups_at_every_substep_phase_are_reset_and_counted(env):
+    """Genesis checks its error flags every 10 physics substeps and raises once an env is non-finite. Blow-ups at
+    every phase against that check (substep k of the control step, control steps apart by 2: 20 injections cover
+    every pair of k and the check's position) leave the run going: each is reset and counted once, and the other
+    envs and the next step stay finite."""
+    obs = env.reset()
+    engine_step = env.sim.step
+    for i in range(20):
+        substep, calls = i % envs.DECIMATION, []
+
+        def step_then_blow_up(tau):
+            engine_step(tau)
+            calls.append(1)
+            if len(calls) == substep + 1:
+                write_nan_joint_velocity(env, 1)
+
+        before = int(env.nan_resets)
+        env.sim.step = step_then_blow_up
+        try:
+            obs, reward, done, info = env.step(obs["ref_dof_pos"])
+        finally:
+            env.sim.step = engine_step
+        assert bool(info["nan"][1]) and bool(done[1]) and int(env.nan_resets) == before + 1, i
+        assert not info["nan"][torch.arange(N) != 1].any()
+        obs, reward, done, info = env.step(obs["ref_dof_pos"])
+        assert torch.isfinite(reward).all() and not info["nan"].any(), i
+        assert all(torch.isfinite(v.float()).all() for v in obs.values()), i
