@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 import ssjr
-from ssjr import quat_apply, quat_conj, quat_mul, rot6d, rotate_z, yaw_rad, z_quat
+from ssjr import InputError, quat_apply, quat_conj, quat_mul, rot6d, rotate_z, yaw_rad, z_quat
 
 PHYSICS_DT_S = 0.005  # 200 Hz physics
 SPARSE_STATE_DIM = 64  # s in each (s, alpha) pair of H_t and in the student's proprio (see the table above)
@@ -118,6 +118,11 @@ class DR:
     """time between pushes"""
     push_vel_mps: float = 0.8
     """largest horizontal root-velocity kick of a push (uniform direction, size U[0, this])"""
+    body_psi_per_episode: bool = False
+    """redraw the body masses, torso CoM and joint armature/damping/friction at every reset, not once per env at the
+    start (Isaac Lab's own tasks: mode 'startup'). On Isaac Lab (Newton) each such write recomputes the model
+    constants of every world at the next step (MuJoCo-Warp set_const): at 4096 envs, almost every step. The rest of
+    psi is redrawn every episode either way, and psi never changes within an episode."""
 
     def __post_init__(self):
         if not 0 <= self.delay_steps[0] <= self.delay_steps[1] <= DECIMATION:
@@ -127,6 +132,7 @@ class DR:
 
 PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction",
             "com_offset_x_m", "com_offset_y_m", "com_offset_z_m")
+BODY_PSI_KEYS = ("mass_scale", "joint_scale", "com_offset_x_m", "com_offset_y_m", "com_offset_z_m")  # see DR
 
 
 def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
@@ -199,7 +205,7 @@ def make_terrain(kind: str, seed: int = 0, tile_m: float = 8.0, cols: int = 4, c
     steps) whose faces get steeper by column (slope 0.1 .. 0.4); rough tiles add +-3 cm uniform noise. Robots spawn
     half-way up a face."""
     if kind not in (*TERRAIN_TYPES, "mix"):
-        raise ValueError(f"unknown terrain '{kind}': choose one of {TERRAIN_TYPES + ('mix',)}")
+        raise InputError("--terrain", f"unknown terrain '{kind}': choose one of {TERRAIN_TYPES + ('mix',)}")
     rows = ["flat", "flat", "smooth_slope", "rough_slope"] if kind == "mix" else [kind]
     rng = np.random.default_rng(seed)
     n = int(round(tile_m / cell_m))
@@ -384,10 +390,10 @@ def resolve_motions(motions) -> list[pathlib.Path]:
     if path.is_dir():
         paths = sorted(path.glob("*.npz"))
         if not paths:
-            raise FileNotFoundError(f"{path}: no SSJR packets (*.npz); convert motions with `python ssjr.py convert`")
+            raise InputError(path, "no SSJR packets (*.npz); convert motions with `python ssjr.py convert`")
         return paths
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such motion packet or folder")
+        raise InputError(path, "no such motion packet or folder")
     return [path]
 
 
@@ -829,7 +835,7 @@ class TrackingEnv:
         self.step_count = torch.zeros(n, dtype=torch.long, device=dev)
         self.ref_offset = torch.zeros(n, 3, device=dev)  # world offset of the reference (tile spawn point)
         self.next_clip = torch.arange(n, device=dev) % len(motion_lib)
-        self.psi = sample_psi(None, n, self.gen, dev)
+        self.psi = sample_psi(dr, n, self.gen, dev)  # the body part stays for the run (DR.body_psi_per_episode)
         self.next_push_s = torch.full((n,), float("inf"), device=dev)
         self.last_alpha = torch.zeros(n, 29, device=dev)  # the PD target of the previous control step
         self.proprio_buf = torch.zeros(n, self.PROPRIO_STEPS, 535, device=dev)
@@ -837,9 +843,10 @@ class TrackingEnv:
         self.history = torch.zeros(n, self.HISTORY_LEN, 93, device=dev)
         self.history_mask = torch.zeros(n, self.HISTORY_LEN, dtype=torch.bool, device=dev)
         self.substep_tau = torch.zeros(DECIMATION, n, 29, device=dev)  # torques of the last control step
-        self.nan_resets = 0
+        self.nan_resets = torch.zeros((), dtype=torch.long, device=dev)  # blown-up envs reset so far
         self._fresh = torch.ones(n, dtype=torch.bool, device=dev)  # envs whose observation stacks restart
         self.default_mass = sim.default_body_mass_kg.clone()
+        self._write_psi(torch.arange(n, device=dev), body=True)
         self.obs_layout: dict[str, list[int]] = {}
         # one reference window per step: t-7..t (student past), t+1..t+2 (student future) / t+1..t+8 (teacher)
         self.window_steps = torch.arange(1 - self.STUDENT_PAST, self.FUTURE_STEPS + 1, device=dev)
@@ -911,18 +918,13 @@ class TrackingEnv:
         tile = torch.multinomial(self.tile_weights, m, replacement=True, generator=self.gen)
         start = lib.at_tick(self.clip[ids], self.tick0[ids])
         self.ref_offset[ids, :2] = self.spawn_xy[tile] - start["body_pos"][:, 0, :2]
-        # psi: this episode's hidden dynamics
-        psi = sample_psi(self.dr, m, self.gen, dev)
-        for k, v in psi.items():
-            self.psi[k][ids] = v
-        self.sim.set_body_mass(ids, self.default_mass[ids] * psi["mass_scale"][:, None])
-        self.sim.set_com_offset(ids, torch.stack([psi[f"com_offset_{a}_m"] for a in "xyz"], -1))
-        js = psi["joint_scale"][:, None].expand(m, 29)
-        self.sim.set_joint_params(ids, ARMATURE * js, JOINT_DAMPING * js, JOINT_FRICTION * js)
-        self.sim.set_friction(ids, psi["friction"])
-        self.sim.set_gravity(ids, torch.stack([torch.zeros(m, device=dev), torch.zeros(m, device=dev),
-                                               -psi["gravity_mps2"]], -1))
+        # psi: this episode's hidden dynamics (without DR the nominal values written at start stay)
         if self.dr is not None:
+            body = self.dr.body_psi_per_episode
+            for k, v in sample_psi(self.dr, m, self.gen, dev).items():
+                if body or k not in BODY_PSI_KEYS:
+                    self.psi[k][ids] = v
+            self._write_psi(ids, body)
             lo, hi = self.dr.push_interval_s
             self.next_push_s[ids] = lo + (hi - lo) * torch.rand(m, generator=self.gen, device=dev)
         else:
@@ -935,6 +937,18 @@ class TrackingEnv:
         self.history[ids] = 0.0
         self.history_mask[ids] = False
         self._fresh[ids] = True  # the observation stacks of these envs are filled with their first frame
+
+    def _write_psi(self, ids: torch.Tensor, body: bool):
+        """psi of envs `ids` into the engine: friction and gravity, and with body=True the body masses, torso CoM and
+        joint parameters (see DR.body_psi_per_episode). The PD gain scales and the delay act in step()."""
+        psi = {k: v[ids] for k, v in self.psi.items()}
+        if body:
+            self.sim.set_body_mass(ids, self.default_mass[ids] * psi["mass_scale"][:, None])
+            self.sim.set_com_offset(ids, torch.stack([psi[f"com_offset_{a}_m"] for a in "xyz"], -1))
+            js = psi["joint_scale"][:, None].expand(len(ids), 29)
+            self.sim.set_joint_params(ids, ARMATURE * js, JOINT_DAMPING * js, JOINT_FRICTION * js)
+        self.sim.set_friction(ids, psi["friction"])
+        self.sim.set_gravity(ids, torch.nn.functional.pad(-psi["gravity_mps2"][:, None], (2, 0)))
 
     # --- step -----------------------------------------------------------------------------------------------------
     def step(self, alpha: torch.Tensor):
@@ -949,8 +963,8 @@ class TrackingEnv:
         delay = self.psi["delay_steps"][:, None]
         # pushes: a random horizontal kick of the root velocity every U[5, 10] s
         push = self.step_count * CONTROL_DT_S >= self.next_push_s  # episode time, not clip time
-        if push.any():
-            ids = push.nonzero().squeeze(-1)
+        ids = push.nonzero().squeeze(-1)  # one of the two host reads of a step (the engine call needs the count)
+        if len(ids):
             _, _, v, w = self.sim.root_state()
             # a uniform horizontal direction, size U[0, push_vel_mps]
             direction, size = torch.rand(len(ids), 2, generator=self.gen, device=dev).T
@@ -1002,9 +1016,9 @@ class TrackingEnv:
                 "clip": self.clip.clone()}
         self.body_pos_w, self.body_quat_w = body[0], body[1]
         self.ref_body_pos_w, self.ref_body_quat_w = ref["body_pos"], ref["body_quat"]
-        self.nan_resets += int(blown_up.sum())
+        self.nan_resets = self.nan_resets + blown_up.sum()  # a device counter: read once per iteration by the trainers
         info["nan_resets"] = self.nan_resets
-        ids = done.nonzero().squeeze(-1)
+        ids = done.nonzero().squeeze(-1)  # the other host read: which envs reset
         if len(ids):
             self._reset_envs(ids)
             body = self.sim.body_state()
@@ -1107,9 +1121,9 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     32 envs); it compiles at every start (~70 s on 2 cores); one mode per process. terrain_seed: the heightfield's
     seed (default: seed)."""
     if num_envs < 1:
-        raise ValueError(f"num_envs must be at least 1, got {num_envs}")
+        raise InputError("--num-envs", f"must be at least 1, got {num_envs}")
     if start not in START_MODES:  # before the engine: Isaac Lab allows one simulation per process
-        raise ValueError(f"unknown start '{start}': choose one of {START_MODES}")
+        raise InputError("--start", f"unknown start '{start}': choose one of {START_MODES}")
     paths = resolve_motions(motions)
     if exclude_test and len(paths) > 1:
         paths, _ = ssjr.train_test_split(paths)
@@ -1120,7 +1134,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     elif sim == "isaaclab":
         engine = IsaacLabSim(num_envs, device, ground)
     else:
-        raise ValueError(f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
+        raise InputError("--sim", f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
     return TrackingEnv(engine, motion_lib, ground, dr, seed, start)
 
 
@@ -1147,7 +1161,7 @@ def _cat(parts: list):
     """Concatenate per-worker results along the env axis (dicts recursively; counters are summed)."""
     if isinstance(parts[0], dict):
         return {k: _cat([p[k] for p in parts]) for k in parts[0]}
-    if torch.is_tensor(parts[0]):
+    if torch.is_tensor(parts[0]) and parts[0].dim():
         return torch.cat(parts)
     return sum(parts)
 
@@ -1187,6 +1201,8 @@ def _env_worker(conn, make_env_kwargs: dict):
             conn.send(("ok", reply))
     except EOFError:  # the parent is gone
         pass
+    except InputError as e:  # a user's mistake (e.g. a bad motion file): the parent raises it as it is
+        conn.send(("error", e))
     except Exception:
         conn.send(("error", traceback.format_exc()))
 
@@ -1202,9 +1218,10 @@ class EnvWorkers:
     def __init__(self, num_workers: int, num_envs: int, seed: int = 0, **make_env_kwargs):
         import torch.multiprocessing as mp
         if num_envs % num_workers:
-            raise ValueError(f"num_envs={num_envs} must be a multiple of the env workers ({num_workers})")
+            raise InputError("--num-envs", f"{num_envs} must be a multiple of the env workers ({num_workers})")
         if make_env_kwargs.get("device", "cpu") != "cpu":
-            raise ValueError("env workers are for CPU engines (one process per core); on a GPU use one process")
+            raise InputError("--env-workers", "env workers are for CPU engines (one process per core); on a GPU use "
+                                              "one process (--env-workers 1)")
         ctx = mp.get_context("spawn")  # a clean interpreter per worker: engines keep process-global state
         ssjr.g1_mjcf_path()  # fetch the robot model here, once, not in every worker at the same time
         self.num_envs, self.per_worker = num_envs, num_envs // num_workers
@@ -1235,11 +1252,12 @@ class EnvWorkers:
                 status, reply = "error", f"died (exit code {self.procs[w].exitcode})"
             if status == "error":
                 self.failed.add(w)
-                failure = failure or f"env worker {w} failed:\n{reply}"
+                failure = failure or (reply if isinstance(reply, InputError) else
+                                      RuntimeError(f"env worker {w} failed:\n{reply}"))
             replies.append(reply)
         if failure:
             self.close()
-            raise RuntimeError(failure)
+            raise failure
         return replies
 
     def _call(self, cmd: str, data: list | None = None) -> list:
@@ -1373,6 +1391,22 @@ def bench(args: Bench) -> dict[str, float]:
     ours = rate(env_step, args.steps)
     raw_same = n * args.steps / physics_s[0]
     sim.step = engine_step
+
+    def reset_one_then_step():  # one env resets before every step, as at 4096 envs
+        env.reset(torch.randint(n, (1,), device=env.device))
+        env_step()
+
+    def dr_reset_share(body_per_episode: bool) -> float:
+        """The share of step time the DR writes of those resets take: the same loop with and without them."""
+        env.dr.body_psi_per_episode = body_per_episode
+        with_writes = rate(reset_one_then_step, args.steps // 2)
+        env._write_psi = lambda ids, body: None
+        without = rate(reset_one_then_step, args.steps // 2)
+        del env._write_psi
+        env.dr.body_psi_per_episode = False
+        return 100 * (1 - with_writes / without)
+
+    dr_share = {"default": dr_reset_share(False), "body_psi_per_episode": dr_reset_share(True)} if args.dr else {}
     q_hold = sim.dof_state()[0].clone()
 
     def raw_hold():
@@ -1383,10 +1417,14 @@ def bench(args: Bench) -> dict[str, float]:
     hold = rate(raw_hold, args.steps)
     env.close()
     result = {"build_s": build_s, "env_steps_per_s": ours, "raw_same_scene_steps_per_s": raw_same,
-              "ratio": ours / raw_same, "raw_hold_steps_per_s": hold}
+              "ratio": ours / raw_same, "raw_hold_steps_per_s": hold,
+              **{f"dr_reset_pct_{k}": v for k, v in dr_share.items()}}
     print(f"{args.sim} ({args.device}), {n} envs, terrain {args.terrain}, DR {'on' if args.dr else 'off'}: "
           f"HoRD env {ours:,.0f} env-steps/s | raw engine, same scene {raw_same:,.0f} | ratio {ours / raw_same:.2f} "
           f"| raw engine holding a pose {hold:,.0f} (build {build_s:.0f} s)")
+    if dr_share:
+        print(f"DR resets: {dr_share['default']:.0f} % of step time (one env reset per step; with "
+              f"DR.body_psi_per_episode: {dr_share['body_psi_per_episode']:.0f} %)")
     return result
 
 

@@ -72,6 +72,7 @@ import math
 import os
 import pathlib
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ import tyro
 
 import envs
 import ssjr
+from ssjr import InputError
 
 SUCCESS_THRESHOLD_M = 0.5  # paper: an episode fails once the global translation error exceeds 0.5 m
 REWARD_C = {"dv": 0.002, "kb": 10.0, "lr": 0.2, "rv": 0.5, "rav": 0.1}  # c of exp(-c * err); ProtoMotions' values
@@ -594,11 +596,9 @@ def parse_setting(token: str, train_sim: str) -> Setting:
     spec, _, terrain = token.lower().partition("@")
     engine, plus, dr = spec.partition("+")
     terrain = terrain or "flat"
-    if train_sim not in ENGINES:
-        raise ValueError(f"checkpoint env_cfg['sim'] = {train_sim!r}: expected one of {tuple(ENGINES)}")
     sim = {"in_domain": train_sim, "zero_shot": next(e for e in ENGINES if e != train_sim)}.get(engine, engine)
     if sim not in ENGINES or (plus and dr != "dr") or terrain not in envs.TERRAIN_TYPES:
-        raise ValueError(f"bad setting {token!r}: use <engine>[+dr][@<terrain>], engine in "
+        raise InputError("--settings", f"bad setting {token!r}: use <engine>[+dr][@<terrain>], engine in "
                          f"{tuple(ENGINES) + ('in_domain', 'zero_shot')}, terrain in {envs.TERRAIN_TYPES}")
     name = sim + ("+dr" if plus else "") + ("" if terrain == "flat" else f"@{terrain}")
     return Setting(name, sim, bool(plus), terrain, sim == train_sim)
@@ -612,8 +612,8 @@ def resolve_motions(motions: str, packet_dir: str) -> list[pathlib.Path]:
     _, test = ssjr.train_test_split(sorted(pathlib.Path(packet_dir).rglob("*.npz")))
     missing = [c for c in ssjr.TEST_CLIPS if c not in {motion_name(p.stem) for p in test}]
     if missing:
-        raise FileNotFoundError(f"test-split packets missing under {packet_dir}: {missing}; build them with "
-                                f"`python ssjr.py convert ...` or pass --packet-dir / --motions")
+        raise InputError(packet_dir, f"test-split packets missing: {missing}; build them with `python ssjr.py "
+                                     f"convert ...` or pass --packet-dir / --motions")
     return sorted(test, key=lambda p: (ssjr.TEST_CLIPS.index(motion_name(p.stem)), p.stem))
 
 
@@ -629,9 +629,9 @@ def motion_kind(path: pathlib.Path) -> str:
         with np.load(path) as z:
             kind = str(z["kind"]) if "kind" in z.files else ROBOT
     except Exception as e:  # not an npz: say which file
-        raise ValueError(f"{path}: not a readable motion file ({type(e).__name__}: {e})") from e
+        raise InputError(path, f"not a readable motion file ({type(e).__name__}: {e})") from e
     if kind not in (ROBOT, HUMAN_KEYPOINTS):
-        raise ValueError(f"{path}: unknown motion kind {kind!r}, expected {ROBOT!r} or {HUMAN_KEYPOINTS!r}")
+        raise InputError(path, f"unknown motion kind {kind!r}, expected {ROBOT!r} or {HUMAN_KEYPOINTS!r}")
     return kind
 
 
@@ -642,17 +642,18 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
     """Load and sanity-check a checkpoint dict; clear errors for a missing, unreadable or foreign file."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise InputError(path, "checkpoint not found")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or non-torch file: say which file, keep the cause
-        raise ValueError(f"{path}: not a readable torch checkpoint ({type(e).__name__}: {e})") from e
+        raise InputError(path, f"not a readable torch checkpoint ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200]})") from e
     missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise ValueError(f"{path}: not a HoRD checkpoint, missing {missing} (expected the dict saved by teacher.py "
-                         f"or student.py)")
+        raise InputError(path, f"not a HoRD checkpoint, missing {missing} (expected the dict saved by teacher.py "
+                               f"or student.py)")
     if ckpt["kind"] not in ("teacher", "student"):
-        raise ValueError(f"{path}: unknown checkpoint kind {ckpt['kind']!r}, expected 'teacher' or 'student'")
+        raise InputError(path, f"unknown checkpoint kind {ckpt['kind']!r}, expected 'teacher' or 'student'")
     return ckpt
 
 
@@ -667,7 +668,7 @@ def check_obs_layout(env_layout: dict, ckpt_layout: dict, path) -> None:
     bad = [f"{k}: checkpoint {list(v)} vs env {env_layout.get(k)}" for k, v in ckpt_layout.items()
            if list(env_layout.get(k, [])) != list(v)]
     if bad:
-        raise ValueError(f"{path}: checkpoint does not match the env built from its env_cfg: " + "; ".join(bad))
+        raise InputError(path, "checkpoint does not match the env built from its env_cfg: " + "; ".join(bad))
 
 
 def build_env(ckpt: dict, path, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
@@ -680,7 +681,7 @@ def build_env(ckpt: dict, path, setting: Setting, motion_paths: list[pathlib.Pat
                exclude_test=False)
     unknown = set(cfg) - set(inspect.signature(envs.make_env).parameters)
     if unknown:
-        raise ValueError(f"{path}: env_cfg has keys envs.make_env does not take: {sorted(unknown)}")
+        raise InputError(path, f"env_cfg has keys envs.make_env does not take: {sorted(unknown)}")
     return envs.make_env(**cfg)
 
 
@@ -870,23 +871,25 @@ def evaluate_seed(env, policy, ckpt: dict, path, label: str, setting: Setting, s
 def main(args: Args) -> dict:
     from tqdm import tqdm
     if not args.ckpt:
-        raise ValueError("give at least one --ckpt")
+        raise InputError("--ckpt", "give at least one checkpoint")
     labels = list(args.labels) or default_labels(list(args.ckpt))
     if len(labels) != len(args.ckpt) or len(set(labels)) != len(labels):
-        raise ValueError(f"--labels needs one distinct name per checkpoint: {labels} for {list(args.ckpt)}")
+        raise InputError("--labels", f"one distinct name per checkpoint: {labels} for {list(args.ckpt)}")
     if not args.seeds or len(set(args.seeds)) != len(args.seeds):
-        raise ValueError(f"--seeds needs one or more distinct seeds: {list(args.seeds)}")
+        raise InputError("--seeds", f"one or more distinct seeds: {list(args.seeds)}")
     if args.num_envs < 1 or args.episodes < 1:
-        raise ValueError(f"--num-envs and --episodes must be at least 1 (got {args.num_envs}, {args.episodes})")
+        raise InputError("--num-envs/--episodes", f"must be at least 1 (got {args.num_envs}, {args.episodes})")
     ckpts = [read_checkpoint(p) for p in args.ckpt]  # fail on a bad file before any simulation
     train_sim = ckpts[0]["env_cfg"].get("sim")
+    if train_sim not in ENGINES:
+        raise InputError(args.ckpt[0], f"env_cfg['sim'] = {train_sim!r}: expected one of {tuple(ENGINES)}")
     settings = [parse_setting(t, train_sim) for t in args.settings]
     motion_paths = resolve_motions(args.motions, args.packet_dir)
     clips = [p.stem for p in motion_paths]
     kinds = [motion_kind(p) for p in motion_paths]
     unknown = set(args.video_clips) - set(clips) - {motion_name(c) for c in clips}
     if unknown:
-        raise ValueError(f"--video-clips {sorted(unknown)} not among the evaluated clips {clips}")
+        raise InputError("--video-clips", f"{sorted(unknown)} not among the evaluated clips {clips}")
     video_setting = parse_setting(args.video_setting, train_sim).name if args.video_setting else settings[0].name
     plan = episode_plan(min(args.num_envs, len(clips) * args.episodes), len(clips), args.episodes)
     rows = []
@@ -947,4 +950,7 @@ def coverage_notes(rows: list[dict], labels: list[str], settings: list[Setting],
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    try:
+        main(tyro.cli(Args))
+    except InputError as e:
+        sys.exit(f"error: {e}")

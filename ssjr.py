@@ -391,13 +391,17 @@ def keypoint_window(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_qu
 # ---------------------------------------------------------------------------------------------------------------------
 # 5. Loading. Every loader turns one file into clips of a common raw form: a robot motion (fps, root pos [T,3],
 #    root quat wxyz [T,4], dof pos [T,29] in DOF_NAMES order) or a human motion (fps, HUMAN_JOINTS positions [T,13,3],
-#    metres, z-up). Any problem with an input is a MotionError whose message starts with the file's path.
-class MotionError(ValueError):
-    """A bad input file or folder; str(e) is one line: '<path>: <problem>'."""
+#    metres, z-up). Any problem with an input is an InputError whose message starts with the file's path.
+class InputError(ValueError):
+    """A user's mistake: a bad file, folder, flag or checkpoint; str(e) is one line: '<path or flag>: <problem>'.
+    Every script prints it as `error: <str(e)>` and exits 1 (any other exception is a bug and keeps its traceback)."""
 
     def __init__(self, path: str | os.PathLike, problem: str):
         super().__init__(f"{path}: {problem}")
         self.path, self.problem = str(path), problem
+
+    def __reduce__(self):  # travels between processes (env workers) as itself
+        return type(self), (self.path, self.problem)
 
 
 @dataclass
@@ -439,18 +443,18 @@ def detect_format(path: pathlib.Path) -> str:
     with open(path, "rb") as f:
         head = f.read(256)
     if not head:
-        raise MotionError(path, "empty file")
+        raise InputError(path, "empty file")
     if head.startswith(b"PK"):
         try:
             with np.load(path, allow_pickle=False) as npz:
                 keys = set(npz.files)
         except Exception as e:
-            raise MotionError(path, f"corrupt npz ({type(e).__name__}: {e})") from None
+            raise InputError(path, f"corrupt npz ({type(e).__name__}: {e})") from None
         if "poses" in keys:
             return "amass"
         if "joint_pos" in keys:
             return "mjlab"
-        raise MotionError(path, f"npz is neither AMASS (poses, trans) nor BeyondMimic/mjlab (joint_pos): "
+        raise InputError(path, f"npz is neither AMASS (poses, trans) nor BeyondMimic/mjlab (joint_pos): "
                                 f"keys {sorted(keys)}")
     if head.lstrip().upper().startswith(b"HIERARCHY"):
         return "bvh"
@@ -459,15 +463,15 @@ def detect_format(path: pathlib.Path) -> str:
     if head[:1] == b"\x80" or head[:2] in (b"\x78\x9c", b"\x78\x01", b"\x78\xda", b"\x1f\x8b", b"BZ") or \
             head[:4] in (b"\xfd7zX", b"\x04\x22\x4d\x18"):
         return "phc"
-    raise MotionError(path, "unrecognized content (expected G1 CSV, mjlab/AMASS npz, PHC pkl or BVH)")
+    raise InputError(path, "unrecognized content (expected G1 CSV, mjlab/AMASS npz, PHC pkl or BVH)")
 
 
 def _fps(path: pathlib.Path, value, flag_fps: float | None) -> float:
     fps = flag_fps if value is None else float(np.asarray(value).reshape(-1)[0])
     if fps is None:
-        raise MotionError(path, "frame rate unknown: the file carries none; pass --fps (G1 Moves 60, LAFAN1-G1 30)")
+        raise InputError(path, "frame rate unknown: the file carries none; pass --fps (G1 Moves 60, LAFAN1-G1 30)")
     if not np.isfinite(fps) or fps <= 0:
-        raise MotionError(path, f"invalid frame rate {fps}")
+        raise InputError(path, f"invalid frame rate {fps}")
     return fps
 
 
@@ -487,9 +491,9 @@ def _to_29dof(path: pathlib.Path, dof: np.ndarray, allow_23dof: bool, notes: lis
     if dof.shape[1] == 29:
         return dof
     if dof.shape[1] != 23:
-        raise MotionError(path, f"expected 29 (or 23) joint angles per frame, found {dof.shape[1]}")
+        raise InputError(path, f"expected 29 (or 23) joint angles per frame, found {dof.shape[1]}")
     if not allow_23dof:
-        raise MotionError(path, "23-DoF data where 29 are required; pass --allow-23dof to map it (wrists set to 0)")
+        raise InputError(path, "23-DoF data where 29 are required; pass --allow-23dof to map it (wrists set to 0)")
     full = np.zeros((len(dof), 29), dtype=dof.dtype)
     full[:, DOF23_IDS] = dof
     notes.append("23-DoF source: the 6 wrist joints are set to 0")
@@ -501,11 +505,11 @@ def load_g1_csv(path: pathlib.Path, fps: float | None = None, allow_23dof: bool 
     try:
         data = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
     except ValueError as e:
-        raise MotionError(path, f"not a numeric CSV ({e})") from None
+        raise InputError(path, f"not a numeric CSV ({e})") from None
     if data.size == 0:
-        raise MotionError(path, "empty clip (no frames)")
+        raise InputError(path, "empty clip (no frames)")
     if data.shape[1] not in (36, 30):
-        raise MotionError(path, f"wrong column count {data.shape[1]}: expected 36 (root xyz, quat xyzw, 29 joints) or "
+        raise InputError(path, f"wrong column count {data.shape[1]}: expected 36 (root xyz, quat xyzw, 29 joints) or "
                                 f"30 (23 joints)")
     notes: list[str] = []
     dof = _to_29dof(path, data[:, 7:], allow_23dof, notes)
@@ -521,13 +525,13 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
     fps = _fps(path, d.get("fps"), fps)
     joint_pos = np.asarray(d["joint_pos"], dtype=np.float64)
     if joint_pos.ndim != 2 or len(joint_pos) == 0:
-        raise MotionError(path, f"joint_pos must be [T,29] or [T,36] with T > 0, got {joint_pos.shape}")
+        raise InputError(path, f"joint_pos must be [T,29] or [T,36] with T > 0, got {joint_pos.shape}")
     notes: list[str] = []
     if joint_pos.shape[1] == 36:
         root_pos, root_quat, dof = joint_pos[:, :3], joint_pos[:, 3:7], joint_pos[:, 7:]
     else:
         if "body_pos_w" not in d or "body_quat_w" not in d:
-            raise MotionError(path, "no root pose: joint_pos has no root columns and body_pos_w/body_quat_w are "
+            raise InputError(path, "no root pose: joint_pos has no root columns and body_pos_w/body_quat_w are "
                                     "missing")
         names = [str(n) for n in d.get("body_names", ["pelvis"])]
         root = names.index("pelvis") if "pelvis" in names else 0
@@ -535,10 +539,10 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
     if "joint_names" in d and dof.shape[1] == 29:  # without names, joints are taken to be in MuJoCo order
         names = [str(n) for n in d["joint_names"]]
         if len(names) != 29:
-            raise MotionError(path, f"joint_names has {len(names)} entries for 29 joint columns")
+            raise InputError(path, f"joint_names has {len(names)} entries for 29 joint columns")
         missing = [n for n in DOF_NAMES if n not in names]
         if missing:
-            raise MotionError(path, f"joint_names lacks {missing[:3]}...")
+            raise InputError(path, f"joint_names lacks {missing[:3]}...")
         dof = dof[:, [names.index(n) for n in DOF_NAMES]]
     dof = _to_29dof(path, np.asarray(dof, dtype=np.float64), allow_23dof, notes)
     return [RobotMotion(path.stem, fps, np.asarray(root_pos, np.float64), np.asarray(root_quat, np.float64), dof,
@@ -551,16 +555,16 @@ def load_phc_pkl(path: pathlib.Path, fps: float | None = None, allow_23dof: bool
     try:
         lib = joblib.load(path)
     except Exception as e:
-        raise MotionError(path, f"corrupt pkl ({type(e).__name__}: {e})") from None
+        raise InputError(path, f"corrupt pkl ({type(e).__name__}: {e})") from None
     if isinstance(lib, dict) and "dof" in lib:
         lib = {path.stem: lib}
     if not isinstance(lib, dict) or not lib or not all(isinstance(c, dict) for c in lib.values()):
-        raise MotionError(path, "not a PHC motion library (a dict of clips, each a dict with root_rot, dof, ...)")
+        raise InputError(path, "not a PHC motion library (a dict of clips, each a dict with root_rot, dof, ...)")
     clips = []
     for key, c in lib.items():
         missing = [k for k in ("root_trans_offset", "root_rot", "dof") if k not in c]
         if missing:
-            raise MotionError(path, f"clip {key}: missing {missing}")
+            raise InputError(path, f"clip {key}: missing {missing}")
         notes: list[str] = []
         dof = _to_29dof(path, np.asarray(c["dof"], np.float64).reshape(len(c["dof"]), -1), allow_23dof, notes)
         name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(key))
@@ -583,19 +587,19 @@ def load_smpl_model(path: pathlib.Path) -> dict[str, np.ndarray]:
             with np.load(path, allow_pickle=False) as npz:
                 model = dict(npz)
     except ModuleNotFoundError as e:
-        raise MotionError(path, f"SMPL model pickle needs {e.name}; save it as .npz (v_template, shapedirs, "
+        raise InputError(path, f"SMPL model pickle needs {e.name}; save it as .npz (v_template, shapedirs, "
                                 f"J_regressor, kintree_table) instead") from None
     except Exception as e:
-        raise MotionError(path, f"cannot read the SMPL model ({type(e).__name__}: {e})") from None
+        raise InputError(path, f"cannot read the SMPL model ({type(e).__name__}: {e})") from None
     missing = [k for k in ("v_template", "shapedirs", "J_regressor", "kintree_table") if k not in model]
     if missing:
-        raise MotionError(path, f"not an SMPL model file: missing {missing}")
+        raise InputError(path, f"not an SMPL model file: missing {missing}")
     regressor = model["J_regressor"]
     regressor = np.asarray(regressor.toarray() if hasattr(regressor, "toarray") else regressor, np.float64)
     parents = np.asarray(model["kintree_table"], np.int64)[0].copy()
     parents[0] = -1
     if len(parents) < 22 or np.any(parents[1:] >= np.arange(1, len(parents))):
-        raise MotionError(path, "SMPL kintree_table must list >= 22 joints, each after its parent")
+        raise InputError(path, "SMPL kintree_table must list >= 22 joints, each after its parent")
     return dict(v_template=np.asarray(model["v_template"], np.float64), J_regressor=regressor, parents=parents,
                 shapedirs=np.asarray(model["shapedirs"], np.float64))
 
@@ -624,18 +628,18 @@ def load_amass_npz(path: pathlib.Path, fps: float | None = None, smpl_model: pat
     with np.load(path, allow_pickle=False) as npz:
         d = dict(npz)
     if smpl_model is None:
-        raise MotionError(path, "AMASS/SMPL poses need the SMPL body model, which is licensed and not shipped; "
+        raise InputError(path, "AMASS/SMPL poses need the SMPL body model, which is licensed and not shipped; "
                                 "download it (smpl.is.tue.mpg.de) and pass --smpl-model /path/to/model.npz")
     rate = d.get("mocap_framerate", d.get("mocap_frame_rate"))
     fps = _fps(path, rate, fps)
     missing = [k for k in ("poses", "trans") if k not in d]
     if missing:
-        raise MotionError(path, f"AMASS npz lacks {missing}")
+        raise InputError(path, f"AMASS npz lacks {missing}")
     poses, trans = np.asarray(d["poses"], np.float64), np.asarray(d["trans"], np.float64)
     if poses.ndim != 2 or poses.shape[1] < 66 or len(poses) == 0 or trans.shape != (len(poses), 3):
-        raise MotionError(path, f"AMASS poses must be [T,>=66] with trans [T,3], got {poses.shape} and {trans.shape}")
+        raise InputError(path, f"AMASS poses must be [T,>=66] with trans [T,3], got {poses.shape} and {trans.shape}")
     if not (np.isfinite(poses).all() and np.isfinite(trans).all()):
-        raise MotionError(path, "NaN/inf in poses or trans")
+        raise InputError(path, "NaN/inf in poses or trans")
     betas = np.asarray(d.get("betas", np.zeros(0)), np.float64).reshape(-1)
     joints = smpl_joints(load_smpl_model(smpl_model), poses, trans, betas)[:, SMPL_JOINT_IDS]
     gender = str(d.get("gender", "unknown"))
@@ -663,8 +667,8 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
     stack: list[int] = []
     i = 0
 
-    def broken(problem: str) -> MotionError:
-        return MotionError(path, f"broken BVH hierarchy: {problem}")
+    def broken(problem: str) -> InputError:
+        return InputError(path, f"broken BVH hierarchy: {problem}")
 
     try:
         if tokens[0].upper() != "HIERARCHY":
@@ -709,10 +713,10 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
         raise broken(f"truncated or malformed ({type(e).__name__}: {e})") from None
     n_chan = sum(len(c) for c in channels)
     if n_frames <= 0 or values.size != n_frames * n_chan:
-        raise MotionError(path, f"BVH motion has {values.size} numbers, expected {n_frames} frames x {n_chan} "
+        raise InputError(path, f"BVH motion has {values.size} numbers, expected {n_frames} frames x {n_chan} "
                                 f"channels")
     if not np.isfinite(frame_time) or frame_time <= 0:
-        raise MotionError(path, f"invalid frame rate (Frame Time {frame_time})")
+        raise InputError(path, f"invalid frame rate (Frame Time {frame_time})")
     motion = torch.tensor(values.reshape(n_frames, n_chan))
     axes = {"X": torch.tensor([1.0, 0, 0], dtype=torch.float64), "Y": torch.tensor([0, 1.0, 0], dtype=torch.float64),
             "Z": torch.tensor([0, 0, 1.0], dtype=torch.float64)}
@@ -728,7 +732,7 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
             elif c.endswith("position"):
                 local_p[:, "XYZ".index(c[0].upper())] = motion[:, col]
             else:
-                raise MotionError(path, f"unknown BVH channel {c}")
+                raise InputError(path, f"unknown BVH channel {c}")
             col += 1
         p = parents[j]
         if p < 0:
@@ -745,7 +749,7 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
     for joint, candidates in BVH_NAMES.items():
         k = next((lower[c.lower()] for c in candidates if c.lower() in lower), None)
         if k is None:
-            raise MotionError(path, f"BVH has no joint for {joint} (tried {', '.join(candidates)})")
+            raise InputError(path, f"BVH has no joint for {joint} (tried {', '.join(candidates)})")
         ids.append(k)
     return [HumanMotion(path.stem, 1.0 / frame_time, pos[:, ids], str(path))]
 
@@ -756,7 +760,7 @@ def load_motions(path: pathlib.Path, fmt: str = "auto", fps: float | None = None
     """Load one file with the loader its content (or `fmt`) asks for."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise MotionError(path, "no such file")
+        raise InputError(path, "no such file")
     fmt = detect_format(path) if fmt == "auto" else fmt
     try:
         if fmt == "g1csv":
@@ -769,11 +773,11 @@ def load_motions(path: pathlib.Path, fmt: str = "auto", fps: float | None = None
             return load_amass_npz(path, fps, smpl_model)
         if fmt == "bvh":
             return load_bvh(path, bvh_scale_m, bvh_up)
-    except MotionError:
+    except InputError:
         raise
     except (OSError, ValueError, KeyError, IndexError, TypeError, zipfile.BadZipFile, EOFError) as e:
-        raise MotionError(path, f"cannot read as {fmt} ({type(e).__name__}: {e})") from None
-    raise MotionError(path, f"unknown format {fmt!r} (one of {FORMATS})")
+        raise InputError(path, f"cannot read as {fmt} ({type(e).__name__}: {e})") from None
+    raise InputError(path, f"unknown format {fmt!r} (one of {FORMATS})")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -782,11 +786,11 @@ def clean_quaternions(path: str, quat: np.ndarray, tol: float = 1e-2) -> np.ndar
     """Reject zero / clearly non-unit quaternions, renormalize the rest, flip signs so q_t . q_{t-1} >= 0."""
     norm = np.linalg.norm(quat, axis=-1)
     if (norm < 1e-6).any():
-        raise MotionError(path, f"zero root quaternion at frame {int(np.argmax(norm < 1e-6))}")
+        raise InputError(path, f"zero root quaternion at frame {int(np.argmax(norm < 1e-6))}")
     bad = np.abs(norm - 1) > tol
     if bad.any():
         k = int(np.argmax(bad))
-        raise MotionError(path, f"non-unit root quaternion at frame {k} (|q| = {norm[k]:.4f}; expected 1)")
+        raise InputError(path, f"non-unit root quaternion at frame {k} (|q| = {norm[k]:.4f}; expected 1)")
     quat = quat / norm[:, None]
     flips = np.cumsum(np.r_[0, (quat[1:] * quat[:-1]).sum(-1) < 0]) % 2 == 1
     return np.where(flips[:, None], -quat, quat)
@@ -955,11 +959,11 @@ def load_packet(path: str | os.PathLike) -> dict:
         with np.load(path, allow_pickle=False) as d:
             raw = {k: d[k] for k in d.files}
     except Exception as e:
-        raise MotionError(path, f"cannot read packet ({type(e).__name__}: {e})") from None
+        raise InputError(path, f"cannot read packet ({type(e).__name__}: {e})") from None
     kind = str(raw.get("kind", "robot"))
     missing = [k for k in (HUMAN_KEYS if kind == "human_keypoints" else PACKET_KEYS) if k not in raw]
     if missing:
-        raise MotionError(path, f"not an SSJR packet: missing {missing}")
+        raise InputError(path, f"not an SSJR packet: missing {missing}")
     out: dict = {}
     for k, v in raw.items():
         if v.ndim == 0:
@@ -1028,7 +1032,7 @@ class ClipReport:
     clipped_frames: int = 0
     notes: list[str] = field(default_factory=list)
     error: str = ""
-    """the one-line MotionError of a clip that failed"""
+    """the one-line InputError of a clip that failed"""
     problem: str = ""
     """the same without the path"""
 
@@ -1056,10 +1060,10 @@ def _license(path: pathlib.Path, flag: str) -> str:
 def _check_finite(where: str, **arrays: np.ndarray) -> None:
     for key, a in arrays.items():
         if len(a) == 0:
-            raise MotionError(where, "empty clip (no frames)")
+            raise InputError(where, "empty clip (no frames)")
         ok = np.isfinite(a).reshape(len(a), -1).all(axis=1)
         if not ok.all():
-            raise MotionError(where, f"NaN/inf in {key} at frame {int(np.argmin(ok))}")
+            raise InputError(where, f"NaN/inf in {key} at frame {int(np.argmin(ok))}")
 
 
 def _where(m: RobotMotion | HumanMotion) -> str:
@@ -1071,7 +1075,7 @@ def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: Clip
     """Clean, resample, segment, FK and check one robot clip; write its packets."""
     shapes = (m.root_pos.shape, m.root_quat.shape, m.dof_pos.shape)
     if shapes != ((len(m.dof_pos), 3), (len(m.dof_pos), 4), (len(m.dof_pos), 29)):
-        raise MotionError(_where(m), f"root pos / root quat / dof shapes {shapes} do not match [T,3] [T,4] [T,29]")
+        raise InputError(_where(m), f"root pos / root quat / dof shapes {shapes} do not match [T,3] [T,4] [T,29]")
     _check_finite(_where(m), root_pos=m.root_pos, root_quat=m.root_quat, dof_pos=m.dof_pos)
     quat = clean_quaternions(_where(m), m.root_quat)
     dof, report.glitch_frames, bad = repair_glitches(m.dof_pos, m.fps, args.glitch_rad_s, args.glitch_window_s)
@@ -1079,7 +1083,7 @@ def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: Clip
     try:
         bounds = segment_bounds(len(m.dof_pos), FPS, args.min_s, args.max_s)
     except ValueError as e:
-        raise MotionError(_where(m), str(e)) from None
+        raise InputError(_where(m), str(e)) from None
     lo, hi = kin.dof_lower_rad.numpy(), kin.dof_upper_rad.numpy()
     excess = np.maximum(lo - m.dof_pos, m.dof_pos - hi).max(axis=1)
     beyond_limits = excess > args.limit_tol_rad
@@ -1108,7 +1112,7 @@ def convert_human(m: HumanMotion, kin: G1Kinematics, args: Convert, report: Clip
     try:
         bounds = segment_bounds(len(joints), FPS, args.min_s, args.max_s)
     except ValueError as e:
-        raise MotionError(_where(m), str(e)) from None
+        raise InputError(_where(m), str(e)) from None
     keypoints, root_pos, root_quat = human_to_g1_keypoints(kin, joints)
     meta = dict(fps=FPS, kind="human_keypoints", keypoint_names=KEYPOINT_NAMES, text=args.text, source=m.source,
                 license=_license(pathlib.Path(m.source), args.license))
@@ -1127,7 +1131,7 @@ def convert(args: Convert) -> list[ClipReport]:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise MotionError(args.out, f"output folder is not writable ({e.strerror or e})") from None
+        raise InputError(args.out, f"output folder is not writable ({e.strerror or e})") from None
     kin = G1Kinematics()
     reports = []
     written_from: dict[str, str] = {}  # output clip name -> its source: two sources must not share a name
@@ -1135,7 +1139,7 @@ def convert(args: Convert) -> list[ClipReport]:
         try:
             motions = load_motions(path, args.format, args.fps, args.allow_23dof, args.smpl_model, args.bvh_scale_m,
                                    args.bvh_up)
-        except MotionError as e:
+        except InputError as e:
             print(e, file=sys.stderr)
             reports.append(ClipReport(str(path), path.stem, error=str(e), problem=e.problem))
             continue
@@ -1145,12 +1149,12 @@ def convert(args: Convert) -> list[ClipReport]:
                                 len(m.dof_pos if robot else m.joints) / m.fps, notes=m.notes)
             try:
                 if written_from.setdefault(m.name, m.source) != m.source:
-                    raise MotionError(m.source, f"clip name '{m.name}' is also {written_from[m.name]}'s: its packets "
+                    raise InputError(m.source, f"clip name '{m.name}' is also {written_from[m.name]}'s: its packets "
                                                 f"would overwrite those (rename one file)")
                 for stale in args.out.glob(f"{glob.escape(m.name)}_seg[0-9][0-9].npz"):  # from an earlier conversion
                     stale.unlink()
                 (convert_robot if robot else convert_human)(m, kin, args, report)
-            except MotionError as e:
+            except InputError as e:
                 print(e, file=sys.stderr)
                 report.error, report.problem = str(e), e.problem
             reports.append(report)
@@ -1350,7 +1354,7 @@ def show(args: Show) -> pathlib.Path:
     else:
         body, extra = p["keypoints_w"][window], p["keypoints_w"][window]
     if len(body) == 0:
-        raise MotionError(args.packet, f"no frames after {args.start_s} s")
+        raise InputError(args.packet, f"no frames after {args.start_s} s")
     return render_motion(body, args.out, p["fps"], extra, title=f"{args.packet.stem} ({p['kind']})")
 
 
@@ -1368,9 +1372,8 @@ def main() -> None:
             print(info(cmd.packet))
         else:
             print(f"wrote {show(cmd)}")
-    except MotionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    except InputError as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -35,11 +35,12 @@ Choices where the paper is silent:
   student_keypoints (0.01 m: the command is expressed relative to an estimated root pose). --noise-scale scales all.
 - The env: the teacher checkpoint fixes it (make_env kwargs: observation layout, gains, DR, terrain). The student trains
   on the teacher's engine unless --sim says otherwise, on the teacher's motions unless --motions says otherwise; the
-  observations the teacher's actor reads must have the layout it was trained on (ValueError naming the file
+  observations the teacher's actor reads must have the layout it was trained on (an error naming the file
   otherwise; its critic's observation may differ, it plays no part here).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -59,8 +60,9 @@ import envs
 import ssjr
 import teacher
 from envs import SPARSE_STATE_DIM
+from ssjr import InputError
 from teacher import (build_env, check_layout, checkpoint_args, continue_env_stream, load_checkpoint, load_weights,
-                     rng_states, save_checkpoint, set_rng_states)
+                     rng_states, save_checkpoint, set_rng_states, setup_device)
 
 
 @dataclass
@@ -73,8 +75,10 @@ class Args:
     """name of this experiment (run folder prefix)"""
     seed: int = 0
     """seed of torch, numpy, random and the env"""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """torch / simulation device"""
+    device: str = "cuda"
+    """torch / simulation device (no silent fallback: cuda without a GPU is an error; --device cpu runs on purpose)"""
+    amp: bool = False
+    """bf16 autocast of the student's and the teacher's forward passes (CUDA; fp32 matmuls use TF32 there anyway)"""
     torch_threads: int = 0
     """intra-op CPU threads of torch (0: torch's default)"""
     sim: str = ""
@@ -179,16 +183,16 @@ def init_hcdr_from_teacher(policy: StudentPolicy, teacher_agent, path):
     """Copy the teacher's HCDR and history normalizer into the student (same sizes required)."""
     src, dst = teacher_agent.actor, policy.actor
     if src.hcdr is None or dst.hcdr is None:
-        raise ValueError(f"{path}: --hcdr-from-teacher needs an HCDR in both the teacher and the student")
+        raise InputError(path, "--hcdr-from-teacher needs an HCDR in both the teacher and the student")
     mine, theirs = dst.hcdr.state_dict(), src.hcdr.state_dict()
     if set(mine) != set(theirs):
-        raise ValueError(f"{path}: --hcdr-from-teacher: the teacher's HCDR has another structure "
-                         f"({len(theirs)} tensors vs {len(mine)}); use the teacher's --hcdr-layers")
+        raise InputError(path, f"--hcdr-from-teacher: the teacher's HCDR has another structure ({len(theirs)} "
+                               f"tensors vs {len(mine)}); use the teacher's --hcdr-layers")
     bad = [k for k in mine if mine[k].shape != theirs[k].shape]
     if bad:
-        raise ValueError(f"{path}: --hcdr-from-teacher: the teacher's HCDR has other sizes ({bad[0]}: "
-                         f"{list(theirs[bad[0]].shape)} vs {list(mine[bad[0]].shape)}); use the teacher's "
-                         f"--hcdr-* and --d-model")
+        raise InputError(path, f"--hcdr-from-teacher: the teacher's HCDR has other sizes ({bad[0]}: "
+                               f"{list(theirs[bad[0]].shape)} vs {list(mine[bad[0]].shape)}); use the teacher's "
+                               f"--hcdr-* and --d-model")
     dst.hcdr.load_state_dict(theirs)
     dst.history_norm.load_state_dict(src.history_norm.state_dict())
 
@@ -215,8 +219,10 @@ def noisy(obs: dict, state_std: torch.Tensor, keypoint_std: float) -> dict:
     return out
 
 
-def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch.Tensor, args: Args) -> list[float]:
-    """update_epochs passes of minibatch MSE(alpha_2, alpha_1) over the rollout; returns the mean loss of each pass."""
+def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch.Tensor, args: Args,
+                  amp=contextlib.nullcontext) -> list[float]:
+    """update_epochs passes of minibatch MSE(alpha_2, alpha_1) over the rollout; returns the mean loss of each pass
+    (read from the device once, at the end)."""
     policy.train()
     num = len(b_labels)
     epoch_losses = []
@@ -225,22 +231,23 @@ def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch
         losses = []
         for start in range(0, num, args.minibatch_size):
             mb = perm[start:start + args.minibatch_size]
-            loss = (policy({k: v[mb] for k, v in b_obs.items()}) - b_labels[mb]).pow(2).mean()
+            with amp():
+                loss = (policy({k: v[mb] for k, v in b_obs.items()}) - b_labels[mb]).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             optimizer.step()
-            losses.append(loss.item())
-        epoch_losses.append(float(np.mean(losses)))
+            losses.append(loss.detach())
+        epoch_losses.append(torch.stack(losses).mean())
     policy.eval()
-    return epoch_losses
+    return torch.stack(epoch_losses).tolist()
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------------------
 def load_teacher(path, device):
     """The frozen teacher; a missing file, a non-teacher checkpoint (e.g. a student) -> a clear error."""
     if not path:
-        raise ValueError("give the teacher to distil: --teacher-ckpt <teacher.pt>")
+        raise InputError("--teacher-ckpt", "give the teacher to distil: --teacher-ckpt <teacher.pt>")
     agent, ckpt = teacher.load_policy(path, device)
     for p in agent.parameters():
         p.requires_grad_(False)
@@ -266,7 +273,7 @@ def parse_args() -> Args:
     """`--preset NAME` picks the defaults; every other flag overrides them."""
     preset = teacher.preset_from_argv(sys.argv[1:])
     if preset not in PRESETS:
-        raise SystemExit(f"unknown preset '{preset}': choose one of {list(PRESETS)}")
+        raise InputError("--preset", f"unknown preset '{preset}': choose one of {list(PRESETS)}")
     return tyro.cli(Args, default=PRESETS[preset])
 
 
@@ -277,23 +284,23 @@ def train(args: Args, env=None) -> pathlib.Path:
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+    device, device_info = setup_device(args.device, args.amp)  # within seconds: before any engine or checkpoint
     resume = load_checkpoint(args.resume, "student") if args.resume else None
     if resume is not None:  # the checkpoint fixes the teacher, the env and the model; only the budget may change
         args = dataclasses.replace(checkpoint_args(args.resume, resume, Args), total_env_steps=args.total_env_steps,
                                    resume=args.resume, run_dir=str(pathlib.Path(args.resume).parent),  # its folder
-                                   device=args.device)
-        device = torch.device(args.device)
+                                   device=args.device, amp=args.amp)
     teacher_agent, tckpt = load_teacher(args.teacher_ckpt, device)
     if resume is not None and resume["teacher"]["global_step"] != tckpt["global_step"]:
-        raise ValueError(f"{args.resume}: distilled from {args.teacher_ckpt} at teacher step "
-                         f"{resume['teacher']['global_step']:,}, but that file now holds step {tckpt['global_step']:,} "
-                         f"(the teacher run went on): start a new student")
+        raise InputError(args.resume, f"distilled from {args.teacher_ckpt} at teacher step "
+                                      f"{resume['teacher']['global_step']:,}, but that file now holds step "
+                                      f"{tckpt['global_step']:,} (the teacher run went on): start a new student")
     env_cfg = student_env_cfg(args, tckpt)
     run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{env_cfg['sim']}_{args.seed}_{int(time.time())}")
     run_dir.mkdir(parents=True, exist_ok=True)
     args.run_dir = str(run_dir)
     print("student configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
+    print(f"  device: {device_info}")
 
     own_env = env is None
     if own_env:
@@ -323,21 +330,23 @@ def train(args: Args, env=None) -> pathlib.Path:
     from torch.utils.tensorboard import SummaryWriter
     writer = SummaryWriter(run_dir)
     ckpt_path = run_dir / "student.pt"
+    finished = {"global_step": global_step, "iteration": iteration, "env_rng": env.get_rng_state()}
 
     def checkpoint():
+        """The state after the last finished iteration (a crash mid-iteration saves the weights it has)."""
         save_checkpoint(ckpt_path, {
             "kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
-            "model": policy.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
-            "iteration": iteration, "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
-            "rng": {**rng_states(device), "env": env.get_rng_state()}})
+            "model": policy.state_dict(), "optimizer": optimizer.state_dict(),
+            "global_step": finished["global_step"], "iteration": finished["iteration"],
+            "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
+            "rng": {**rng_states(device), "env": finished["env_rng"]}})
 
     stop = {"now": False}
     previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: save, exit
+    amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
     # ALGO LOGIC: storage (the rollout's student inputs and teacher labels)
     n, T = args.num_envs, args.num_steps
-    if env.num_envs != n:
-        raise ValueError(f"the env has {env.num_envs} envs, --num-envs says {n}")
     buf_obs = {k: torch.zeros((T, n, *layout[k]), dtype=obs[k].dtype, device=device) for k in STUDENT_OBS}
     labels = torch.zeros(T, n, 29, device=device)
     state_std = state_noise_std(args, layout["student_proprio"][-1] - 29).to(device)
@@ -346,60 +355,66 @@ def train(args: Args, env=None) -> pathlib.Path:
     num_iterations = args.total_env_steps // (n * T)
     start_time, start_step = time.time(), global_step
 
-    while iteration < num_iterations and not stop["now"]:
-        iteration += 1
-        beta = args.beta * args.beta_decay ** (iteration - 1)
-        stats = {"action_mse": [], "length": [], "success": [], "gt_err_m": [], "teacher_steps": 0}
-        for step in range(T):
-            global_step += n
-            student_obs = noisy(obs, state_std, keypoint_std)
-            with torch.no_grad():
-                policy.actor.update_norms(student_obs)
-                alpha_2 = policy(student_obs)
-                alpha_1 = teacher_agent.act(obs)  # DAgger label of the visited state (privileged, clean)
-            for k in STUDENT_OBS:
-                buf_obs[k][step] = student_obs[k]
-            labels[step] = alpha_1
-            use_teacher = torch.rand(n, device=device) < beta
-            obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, alpha_2))
-            ep_len += 1
-            stats["teacher_steps"] += int(use_teacher.sum())
-            stats["action_mse"].append((alpha_2 - alpha_1).pow(2).mean().item())
-            stats["gt_err_m"].append(info["metrics"]["gt_err_m"].nanmean().item())
-            if done.any():
-                stats["length"] += ep_len[done].tolist()
-                stats["success"] += info["time_out"][done].float().tolist()
-                ep_len[done] = 0.0
+    try:
+        while iteration < num_iterations and not stop["now"]:
+            iteration += 1
+            beta = args.beta * args.beta_decay ** (iteration - 1)
+            # per-iteration sums on the device (read once per iteration): action mse, g-mpjpe, teacher-driven steps
+            step_sums = torch.zeros(3, device=device)
+            episode_sums = torch.zeros(3, device=device)  # episodes, length, successes
+            for step in range(T):
+                student_obs = noisy(obs, state_std, keypoint_std)
+                with torch.no_grad(), amp():
+                    policy.actor.update_norms(student_obs)
+                    alpha_2 = policy(student_obs)
+                    alpha_1 = teacher_agent.act(obs)  # DAgger label of the visited state (privileged, clean)
+                for k in STUDENT_OBS:
+                    buf_obs[k][step] = student_obs[k]
+                labels[step] = alpha_1
+                use_teacher = torch.rand(n, device=device) < beta
+                obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, alpha_2))
+                ep_len += 1
+                ended = done.float()
+                step_sums += torch.stack([(alpha_2 - alpha_1).pow(2).mean(), info["metrics"]["gt_err_m"].nanmean(),
+                                          use_teacher.float().mean()])
+                episode_sums += torch.stack([ended.sum(), (ep_len * ended).sum(),
+                                             (info["time_out"].float() * ended).sum()])
+                ep_len *= 1.0 - ended
+            global_step += n * T
 
-        # ALGO LOGIC: regress alpha_2 onto alpha_1 over the rollout
-        flat = lambda x: x.reshape(n * T, *x.shape[2:])
-        epoch_losses = dagger_update(policy, optimizer, {k: flat(v) for k, v in buf_obs.items()}, flat(labels), args)
+            # ALGO LOGIC: regress alpha_2 onto alpha_1 over the rollout
+            flat = lambda x: x.reshape(n * T, *x.shape[2:])
+            epoch_losses = dagger_update(policy, optimizer, {k: flat(v) for k, v in buf_obs.items()}, flat(labels),
+                                         args, amp)
 
-        # logging: TensorBoard + one line per iteration
-        elapsed = time.time() - start_time
-        sps = (global_step - start_step) / elapsed
-        mean = lambda x: float(np.mean(x)) if len(x) else float("nan")
-        scalars = {"charts/action_mse": mean(stats["action_mse"]), "charts/success_rate": mean(stats["success"]),
-                   "charts/episode_length": mean(stats["length"]), "charts/gt_err_mm": 1000 * mean(stats["gt_err_m"]),
-                   "charts/beta": beta, "charts/teacher_action_fraction": stats["teacher_steps"] / (n * T),
-                   "charts/SPS": sps, "charts/nan_resets": env.nan_resets,
-                   "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1]}
-        for k, v in scalars.items():
-            writer.add_scalar(k, v, global_step)
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
-        eta_min = (num_iterations - iteration) * n * T / max(sps, 1e-6) / 60
-        print(f"it {iteration}/{num_iterations} step {global_step:,} | {sps:,.0f} env-steps/s | action mse "
-              f"{scalars['charts/action_mse']:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | success "
-              f"{scalars['charts/success_rate']:.2f} | g-mpjpe {scalars['charts/gt_err_mm']:.0f} mm | beta {beta:.2f}"
-              f" | ETA {eta_min:.1f} min", flush=True)
-        if iteration % args.checkpoint_every == 0:
-            checkpoint()
-    checkpoint()
-    writer.close()
-    if own_env:
-        env.close()
-    signal.signal(signal.SIGINT, previous_handler)
+            # logging: one host read, TensorBoard + one line per iteration
+            (action_mse, gt_err_m, teacher_fraction), (episodes, *ep) = ((step_sums / T).tolist(),
+                                                                         episode_sums.tolist())
+            length, success = (x / episodes if episodes else float("nan") for x in ep)
+            elapsed = time.time() - start_time
+            sps = (global_step - start_step) / elapsed
+            scalars = {"charts/action_mse": action_mse, "charts/success_rate": success,
+                       "charts/episode_length": length, "charts/gt_err_mm": 1000 * gt_err_m, "charts/beta": beta,
+                       "charts/teacher_action_fraction": teacher_fraction, "charts/SPS": sps,
+                       "charts/nan_resets": int(env.nan_resets), "losses/dagger_mse_first_epoch": epoch_losses[0],
+                       "losses/dagger_mse": epoch_losses[-1]}
+            for k, v in scalars.items():
+                writer.add_scalar(k, v, global_step)
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
+            eta_min = (num_iterations - iteration) * n * T / max(sps, 1e-6) / 60
+            print(f"it {iteration}/{num_iterations} step {global_step:,} | {sps:,.0f} env-steps/s | action mse "
+                  f"{action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | success {success:.2f} | "
+                  f"g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f} | ETA {eta_min:.1f} min", flush=True)
+            finished.update(global_step=global_step, iteration=iteration, env_rng=env.get_rng_state())
+            if iteration % args.checkpoint_every == 0:
+                checkpoint()
+    finally:  # also on a crash: what was learnt so far is kept (atomically, as always)
+        checkpoint()
+        writer.close()
+        if own_env:
+            env.close()
+        signal.signal(signal.SIGINT, previous_handler)
     saved = f"saved {ckpt_path}"
     if (run_dir / "metrics.jsonl").exists():  # at least one iteration logged
         plot_distillation_curve(run_dir)
@@ -560,8 +575,11 @@ def play(args: Play) -> list[dict]:
 
 if __name__ == "__main__":
     commands = {"export": (Export, export), "play": (Play, play)}
-    if len(sys.argv) > 1 and sys.argv[1] in commands:
-        spec, run = commands[sys.argv.pop(1)]
-        run(tyro.cli(spec))
-    else:
-        train(parse_args())
+    try:
+        if len(sys.argv) > 1 and sys.argv[1] in commands:
+            spec, run = commands[sys.argv.pop(1)]
+            run(tyro.cli(spec))
+        else:
+            train(parse_args())
+    except InputError as e:
+        sys.exit(f"error: {e}")

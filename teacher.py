@@ -29,7 +29,9 @@ import torch.nn as nn
 import tyro
 
 import envs
+import ssjr
 from hcdr import HCDR
+from ssjr import InputError
 
 
 
@@ -41,8 +43,10 @@ class Args:
     """name of this experiment (run folder prefix)"""
     seed: int = 0
     """seed of torch, numpy, random and the env"""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """torch / simulation device"""
+    device: str = "cuda"
+    """torch / simulation device (no silent fallback: cuda without a GPU is an error; --device cpu runs on purpose)"""
+    amp: bool = False
+    """bf16 autocast of the learner's forward passes (CUDA; fp32 matmuls use TF32 there anyway)"""
     torch_threads: int = 0
     """intra-op CPU threads of torch (0: torch's default)"""
     sim: str = "isaaclab"
@@ -208,7 +212,7 @@ class TokenPolicy(nn.Module):
             m_t = self.hcdr(self.history_norm(obs["history"]), obs["history_mask"])
             tokens.append(m_t[:, None])
         x = torch.cat(tokens, 1) + self.pos
-        return self.head(self.encoder(x)[:, 0])
+        return self.head(self.encoder(x)[:, 0]).float()  # fp32 actions also under bf16 autocast
 
 
 class Agent(nn.Module):
@@ -228,7 +232,7 @@ class Agent(nn.Module):
         self.critic_norm.update(obs["critic"])
 
     def value(self, obs):
-        return self.critic(self.critic_norm(obs["critic"])).squeeze(-1)
+        return self.critic(self.critic_norm(obs["critic"])).squeeze(-1).float()
 
     def dist(self, obs):
         mean = self.actor(obs)
@@ -266,8 +270,8 @@ def ppo_losses(agent, obs, actions, old_logprob, advantages, returns, clip_coef:
     pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
     v_loss = 0.5 * (agent.value(obs) - returns).pow(2).mean()
     with torch.no_grad():
-        approx_kl = ((ratio - 1) - log_ratio).mean().item()
-        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean().item()
+        approx_kl = ((ratio - 1) - log_ratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
     return pg_loss, v_loss, approx_kl, clipfrac
 
 
@@ -281,18 +285,18 @@ def save_checkpoint(path: pathlib.Path, payload: dict):
 
 def load_checkpoint(path, kind: str) -> dict:
     path = pathlib.Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: checkpoint not found")
+    if not path.is_file():
+        raise InputError(path, "checkpoint not found")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
-        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+        raise InputError(path, f"not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     if not isinstance(ckpt, dict) or ckpt.get("kind") != kind:
         found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise ValueError(f"{path}: expected a {kind} checkpoint, found {found!r}")
+        raise InputError(path, f"expected a {kind} checkpoint, found {found!r}")
     missing = [k for k in ("args", "obs_layout", "model") if k not in ckpt]
     if missing:
-        raise ValueError(f"{path}: {kind} checkpoint without {missing} (incomplete or from another tool)")
+        raise InputError(path, f"{kind} checkpoint without {missing} (incomplete or from another tool)")
     return ckpt
 
 
@@ -300,8 +304,8 @@ def checkpoint_args(path, ckpt: dict, cls):
     """The checkpoint's settings as `cls` (teacher or student Args); settings this version does not know fail."""
     unknown = sorted(set(ckpt["args"]) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
-        raise ValueError(f"{path}: settings {unknown} are unknown to this {cls.__module__}.py (checkpoint written by "
-                         f"another version)")
+        raise InputError(path, f"settings {unknown} are unknown to this {cls.__module__}.py (checkpoint written by "
+                               f"another version)")
     return cls(**ckpt["args"])
 
 
@@ -311,15 +315,15 @@ def load_weights(path, module: nn.Module, state: dict):
         module.load_state_dict(state)
     except RuntimeError as e:
         detail = (str(e).splitlines()[1:] or [str(e)])[0].strip()[:200]  # the first complaint, e.g. a size mismatch
-        raise ValueError(f"{path}: the weights do not fit the model its settings build ({detail})") from None
+        raise InputError(path, f"the weights do not fit the model its settings build ({detail})") from None
 
 
 def check_layout(path, expected: dict, found: dict, keys):
     """A checkpoint is only valid for the observation layout it was trained on."""
     for k in keys:
         if list(expected.get(k, [])) != list(found.get(k, [])):
-            raise ValueError(f"{path}: observation layout mismatch for '{k}': checkpoint has {expected.get(k)}, "
-                             f"this env gives {found.get(k)} (different env version or settings)")
+            raise InputError(path, f"observation layout mismatch for '{k}': checkpoint has {expected.get(k)}, this "
+                                   f"env gives {found.get(k)} (different env version or settings)")
 
 
 def rng_states(device) -> dict:
@@ -341,7 +345,7 @@ def set_rng_states(states: dict, device):
 def continue_env_stream(env, resume: dict, device):
     """--resume: the env's clip/psi/push sequence continues where the checkpoint left it (same device type only: a
     generator's state does not fit another device's generator)."""
-    if torch.device(resume["args"]["device"]).type == device.type:
+    if torch.device(resume["args"]["device"]).type == device.type and resume["rng"]["env"] is not None:
         env.set_rng_state(resume["rng"]["env"])
     else:
         print(f"resuming a {resume['args']['device']} run on {device}: the env's random stream restarts from the seed")
@@ -371,6 +375,24 @@ def load_policy(path, device="cpu"):
     return agent.eval(), ckpt
 
 
+def setup_device(name: str, amp: bool) -> tuple[torch.device, str]:
+    """The torch device, checked before anything is built, and a line describing it. CUDA asked for but absent is an
+    error, not a silent CPU run. On CUDA, fp32 matmuls and convolutions use TF32; the CPU path stays exact fp32."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        if amp:
+            raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
+        return device, f"CPU ({torch.get_num_threads()} torch threads), torch {torch.__version__}"
+    if not torch.cuda.is_available():
+        raise InputError(f"--device {name}", f"CUDA is not available on this machine (torch {torch.__version__}); "
+                                             f"to run on the CPU on purpose pass --device cpu, or --preset cpu")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    gpu = torch.cuda.get_device_properties(device)
+    return device, (f"{gpu.name} ({gpu.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA "
+                    f"{torch.version.cuda}, TF32 matmuls, {'bf16 autocast' if amp else 'fp32 activations'}")
+
+
 def preset_from_argv(argv: list[str]) -> str:
     """The value of `--preset NAME` or `--preset=NAME` ('paper' if absent)."""
     for i, a in enumerate(argv):
@@ -385,7 +407,7 @@ def parse_args() -> Args:
     """`--preset NAME` picks the defaults; every other flag overrides them."""
     preset = preset_from_argv(sys.argv[1:])
     if preset not in PRESETS:
-        raise SystemExit(f"unknown preset '{preset}': choose one of {list(PRESETS)}")
+        raise InputError("--preset", f"unknown preset '{preset}': choose one of {list(PRESETS)}")
     return tyro.cli(Args, default=PRESETS[preset])
 
 
@@ -395,20 +417,20 @@ def main(args: Args):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+    device, device_info = setup_device(args.device, args.amp)  # within seconds: before any engine or checkpoint
     resume = load_checkpoint(args.resume, "teacher") if args.resume else None
-    if resume is not None:  # the checkpoint fixes the env and the model; only the budget may change
+    if resume is not None:  # the checkpoint fixes the env and the model; only the budget and the device may change
         args = dataclasses.replace(checkpoint_args(args.resume, resume, Args), total_env_steps=args.total_env_steps,
                                    resume=args.resume, run_dir=str(pathlib.Path(args.resume).parent),  # its folder
-                                   device=args.device)
-        device = torch.device(args.device)
+                                   device=args.device, amp=args.amp)
     if args.minibatch_size > args.num_envs * args.num_steps:
-        raise SystemExit(f"--minibatch-size {args.minibatch_size} is larger than a rollout "
-                         f"({args.num_envs} envs x {args.num_steps} steps)")
+        raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
+                                             f"x {args.num_steps} steps)")
     run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{args.sim}_{args.seed}_{int(time.time())}")
     run_dir.mkdir(parents=True, exist_ok=True)
     args.run_dir = str(run_dir)
     print("teacher configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
+    print(f"  device: {device_info}")
 
     env = build_env(env_kwargs(args), args.num_envs, args.device, args.seed, args.env_workers,
                     performance_mode=args.performance_mode)  # make_env applies it to Genesis only
@@ -433,16 +455,19 @@ def main(args: Args):
     from torch.utils.tensorboard import SummaryWriter
     writer = SummaryWriter(run_dir)
     ckpt_path = run_dir / "teacher.pt"
+    finished = {"global_step": global_step, "iteration": iteration, "env_rng": env.get_rng_state()}
 
     def checkpoint():
+        """The state after the last finished iteration (a crash mid-iteration saves the weights it has)."""
         save_checkpoint(ckpt_path, {
             "kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_kwargs(args), "obs_layout": layout,
             "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
-            "global_step": global_step, "iteration": iteration,
-            "rng": {**rng_states(device), "env": env.get_rng_state()}})
+            "global_step": finished["global_step"], "iteration": finished["iteration"],
+            "rng": {**rng_states(device), "env": finished["env_rng"]}})
 
     stop = {"now": False}
     previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish, save, exit
+    amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
     # ALGO LOGIC: storage (preallocated rollout buffers)
     n, T = args.num_envs, args.num_steps
@@ -454,110 +479,122 @@ def main(args: Args):
     start_time, start_step = time.time(), global_step
     sim_time = 0.0
 
-    while iteration < num_iterations and not stop["now"]:
-        iteration += 1
-        stats = {"return": [], "length": [], "success": [], "gt_err_m": [], "mpjpe_m": [], "terms": {}}
-        agent.eval()
-        for step in range(T):
-            global_step += n
-            for k in TEACHER_OBS:
-                buf_obs[k][step] = obs[k]
+    try:
+        while iteration < num_iterations and not stop["now"]:
+            iteration += 1
+            # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps or episodes
+            step_sums = torch.zeros(2 + len(envs.REWARD_COEFFS), device=device)  # gt_err_m, mpjpe_m, reward terms
+            episode_sums = torch.zeros(4, device=device)  # episodes, return, length, successes
+            agent.eval()
+            for step in range(T):
+                for k in TEACHER_OBS:
+                    buf_obs[k][step] = obs[k]
+                with torch.no_grad(), amp():
+                    dist = agent.dist(obs)
+                    a = dist.sample()
+                    logprobs[step] = dist.log_prob(a).sum(-1)
+                    values[step] = agent.value(obs)
+                actions[step] = a
+                t0 = time.time()
+                obs, reward, done, info = env.step(agent.to_alpha(obs, a))
+                sim_time += time.time() - t0
+                rewards[step], dones[step], time_outs[step] = reward, done.float(), info["time_out"].float()
+                ep_return += reward
+                ep_len += 1
+                step_sums += torch.stack([info["metrics"]["gt_err_m"].nanmean(), info["metrics"]["mpjpe_m"].nanmean(),
+                                          *(info["reward_terms"][k].nanmean() for k in envs.REWARD_COEFFS)])  # nan: blown up
+                ended = done.float()
+                episode_sums += torch.stack([ended.sum(), (ep_return * ended).sum(), (ep_len * ended).sum(),
+                                             (info["time_out"].float() * ended).sum()])
+                ep_return *= 1.0 - ended
+                ep_len *= 1.0 - ended
+            global_step += n * T
+
+            # ALGO LOGIC: GAE. A clip end is a time limit, not a failure: it is bootstrapped with V(s_t) (rsl_rl),
+            # since the critic cannot tell how much of the clip is left
+            with torch.no_grad(), amp():
+                next_value = agent.value(obs)
             with torch.no_grad():
-                dist = agent.dist(obs)
-                a = dist.sample()
-                logprobs[step] = dist.log_prob(a).sum(-1)
-                values[step] = agent.value(obs)
-            actions[step] = a
-            t0 = time.time()
-            obs, reward, done, info = env.step(agent.to_alpha(obs, a))
-            sim_time += time.time() - t0
-            rewards[step], dones[step], time_outs[step] = reward, done.float(), info["time_out"].float()
-            ep_return += reward
-            ep_len += 1
-            stats["gt_err_m"].append(info["metrics"]["gt_err_m"].nanmean().item())  # nan: a blown-up env
-            stats["mpjpe_m"].append(info["metrics"]["mpjpe_m"].nanmean().item())
-            for k, v in info["reward_terms"].items():
-                stats["terms"].setdefault(k, []).append(v.nanmean().item())
-            if done.any():
-                stats["return"] += ep_return[done].tolist()
-                stats["length"] += ep_len[done].tolist()
-                stats["success"] += info["time_out"][done].float().tolist()
-                ep_return[done], ep_len[done] = 0.0, 0.0
+                advantages = compute_gae(rewards + args.gamma * values * time_outs, values, dones, next_value,
+                                         args.gamma, args.gae_lambda)
+                returns = advantages + values
 
-        # ALGO LOGIC: GAE. A clip end is a time limit, not a failure: it is bootstrapped with V(s_t) (rsl_rl), since
-        # the critic cannot tell how much of the clip is left
-        with torch.no_grad():
-            advantages = compute_gae(rewards + args.gamma * values * time_outs, values, dones, agent.value(obs),
-                                     args.gamma, args.gae_lambda)
-            returns = advantages + values
+            # ALGO LOGIC: PPO update (clipped surrogate + value loss)
+            agent.train()
+            flat = lambda x: x.reshape(n * T, *x.shape[2:])
+            b_obs = {k: flat(v) for k, v in buf_obs.items()}
+            b_actions, b_logprobs, b_adv, b_returns, b_values = map(flat, (actions, logprobs, advantages, returns,
+                                                                          values))
+            clipfracs, approx_kls = [], []
+            for epoch in range(args.update_epochs):
+                perm = torch.randperm(n * T, device=device)
+                for start in range(0, n * T - args.minibatch_size + 1, args.minibatch_size):  # full minibatches only
+                    mb = perm[start:start + args.minibatch_size]
+                    mb_obs = {k: v[mb] for k, v in b_obs.items()}
+                    with amp():
+                        pg_loss, v_loss, approx_kl, clipfrac = ppo_losses(agent, mb_obs, b_actions[mb],
+                                                                          b_logprobs[mb], b_adv[mb], b_returns[mb],
+                                                                          args.clip_coef)
+                    approx_kls.append(approx_kl)
+                    clipfracs.append(clipfrac)
+                    # adaptive step size: shrink when the policy moved too far, grow when timid (not on the first
+                    # minibatch: the policy is still the rollout's, its KL is 0). One host read per minibatch.
+                    if args.desired_kl > 0 and (epoch > 0 or start > 0):
+                        kl = approx_kl.item()
+                        for group in actor_opt.param_groups:
+                            if kl > 2.0 * args.desired_kl:
+                                group["lr"] = max(group["lr"] / 1.5, 1e-6)
+                            elif kl < 0.5 * args.desired_kl:
+                                group["lr"] = min(group["lr"] * 1.5, 1e-3)
+                    loss = pg_loss + args.vf_coef * v_loss
+                    actor_opt.zero_grad()
+                    critic_opt.zero_grad()
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(agent.actor.parameters(), args.max_grad_norm)
+                    nn.utils.clip_grad_norm_(agent.critic.parameters(), args.max_grad_norm)
+                    actor_opt.step()
+                    critic_opt.step()
 
-        # ALGO LOGIC: PPO update (clipped surrogate + value loss)
-        agent.train()
-        flat = lambda x: x.reshape(n * T, *x.shape[2:])
-        b_obs = {k: flat(v) for k, v in buf_obs.items()}
-        b_actions, b_logprobs, b_adv, b_returns, b_values = map(flat, (actions, logprobs, advantages, returns,
-                                                                      values))
-        clipfracs, approx_kls = [], []
-        for epoch in range(args.update_epochs):
-            perm = torch.randperm(n * T, device=device)
-            for start in range(0, n * T - args.minibatch_size + 1, args.minibatch_size):  # full minibatches only
-                mb = perm[start:start + args.minibatch_size]
-                mb_obs = {k: v[mb] for k, v in b_obs.items()}
-                pg_loss, v_loss, approx_kl, clipfrac = ppo_losses(agent, mb_obs, b_actions[mb], b_logprobs[mb],
-                                                                  b_adv[mb], b_returns[mb], args.clip_coef)
-                approx_kls.append(approx_kl)
-                clipfracs.append(clipfrac)
-                # adaptive step size: shrink when the policy moved too far, grow when timid (not on the first
-                # minibatch: the policy is still the rollout's, its KL is 0)
-                if args.desired_kl > 0 and (epoch > 0 or start > 0):
-                    for group in actor_opt.param_groups:
-                        if approx_kl > 2.0 * args.desired_kl:
-                            group["lr"] = max(group["lr"] / 1.5, 1e-6)
-                        elif approx_kl < 0.5 * args.desired_kl:
-                            group["lr"] = min(group["lr"] * 1.5, 1e-3)
-                loss = pg_loss + args.vf_coef * v_loss
-                actor_opt.zero_grad()
-                critic_opt.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(agent.actor.parameters(), args.max_grad_norm)
-                nn.utils.clip_grad_norm_(agent.critic.parameters(), args.max_grad_norm)
-                actor_opt.step()
-                critic_opt.step()
+            # observation statistics: updated after the PPO update (the update must see the rollout's normalization),
+            # from every 4th rollout step (consecutive steps are nearly the same states: a quarter of the cost)
+            agent.update_norms({k: v[::4] for k, v in buf_obs.items()})
 
-        # observation statistics: updated after the PPO update (the update must see the rollout's normalization),
-        # from every 4th rollout step (consecutive steps are nearly the same states: a quarter of the cost)
-        agent.update_norms({k: v[::4] for k, v in buf_obs.items()})
-
-        # logging: TensorBoard + one line per iteration
-        elapsed = time.time() - start_time
-        sps = (global_step - start_step) / elapsed
-        mean = lambda x: float(np.mean(x)) if len(x) else float("nan")
-        scalars = {"charts/mean_reward": rewards.mean().item(), "charts/episode_return": mean(stats["return"]),
-                   "charts/episode_length": mean(stats["length"]), "charts/success_rate": mean(stats["success"]),
-                   "charts/gt_err_mm": 1000 * mean(stats["gt_err_m"]), "charts/mpjpe_mm": 1000 * mean(stats["mpjpe_m"]),
-                   "charts/SPS": sps, "charts/sim_time_fraction": sim_time / elapsed,
-                   "charts/nan_resets": env.nan_resets,
-                   "losses/policy_loss": pg_loss.item(), "losses/value_loss": v_loss.item(),
-                   "losses/approx_kl": mean(approx_kls), "losses/actor_lr": actor_opt.param_groups[0]["lr"],
-                   "losses/clipfrac": mean(clipfracs),
-                   "losses/explained_variance": (1 - (b_returns - b_values).var() / b_returns.var()).item()}
-        scalars.update({f"rewards/{k}": mean(v) for k, v in stats["terms"].items()})
-        scalars.update({f"dr/{k}": v.float().mean().item() for k, v in env.psi.items()})
-        for k, v in scalars.items():
-            writer.add_scalar(k, v, global_step)
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
-        eta_min = (num_iterations - iteration) * n * T / max(sps, 1e-6) / 60
-        print(f"it {iteration}/{num_iterations} step {global_step:,} | {sps:,.0f} env-steps/s | reward "
-              f"{scalars['charts/mean_reward']:.3f} | success {scalars['charts/success_rate']:.2f} | g-mpjpe "
-              f"{scalars['charts/gt_err_mm']:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets "
-              f"{env.nan_resets} | ETA {eta_min:.1f} min", flush=True)
-        if iteration % args.checkpoint_every == 0:
-            checkpoint()
-    checkpoint()
-    signal.signal(signal.SIGINT, previous_handler)
-    writer.close()
-    env.close()
+            # logging: one host read of everything, TensorBoard + one line per iteration
+            on_device = {"charts/mean_reward": rewards.mean(), "losses/policy_loss": pg_loss.detach(),
+                         "losses/value_loss": v_loss.detach(), "losses/approx_kl": torch.stack(approx_kls).mean(),
+                         "losses/clipfrac": torch.stack(clipfracs).mean(), "charts/nan_resets": env.nan_resets,
+                         "losses/explained_variance": 1 - (b_returns - b_values).var() / b_returns.var(),
+                         **{f"dr/{k}": v.float().mean() for k, v in env.psi.items()}}
+            host = torch.cat([torch.stack([torch.as_tensor(v, device=device).float() for v in on_device.values()]),
+                              step_sums / T, episode_sums]).tolist()
+            scalars = dict(zip(on_device, host))
+            (gt_err_m, mpjpe_m, *terms), (episodes, *ep) = host[len(on_device):-4], host[-4:]
+            ep_return_mean, ep_len_mean, success = (x / episodes if episodes else float("nan") for x in ep)
+            elapsed = time.time() - start_time
+            sps = (global_step - start_step) / elapsed
+            scalars.update({"charts/episode_return": ep_return_mean, "charts/episode_length": ep_len_mean,
+                            "charts/success_rate": success, "charts/gt_err_mm": 1000 * gt_err_m,
+                            "charts/mpjpe_mm": 1000 * mpjpe_m, "charts/SPS": sps,
+                            "charts/sim_time_fraction": sim_time / elapsed,
+                            "losses/actor_lr": actor_opt.param_groups[0]["lr"],
+                            **{f"rewards/{k}": v for k, v in zip(envs.REWARD_COEFFS, terms)}})
+            for k, v in scalars.items():
+                writer.add_scalar(k, v, global_step)
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
+            eta_min = (num_iterations - iteration) * n * T / max(sps, 1e-6) / 60
+            print(f"it {iteration}/{num_iterations} step {global_step:,} | {sps:,.0f} env-steps/s | reward "
+                  f"{scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
+                  f"{scalars['charts/gt_err_mm']:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets "
+                  f"{scalars['charts/nan_resets']:.0f} | ETA {eta_min:.1f} min", flush=True)
+            finished.update(global_step=global_step, iteration=iteration, env_rng=env.get_rng_state())
+            if iteration % args.checkpoint_every == 0:
+                checkpoint()
+    finally:  # also on a crash: what was learnt so far is kept (atomically, as always)
+        checkpoint()
+        signal.signal(signal.SIGINT, previous_handler)
+        writer.close()
+        env.close()
     if (run_dir / "metrics.jsonl").exists():
         plot_learning_curve(run_dir)
     print(f"saved {ckpt_path} and {run_dir / 'learning_curve.png'}")
@@ -595,4 +632,7 @@ def plot_learning_curve(run_dir):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except InputError as e:
+        sys.exit(f"error: {e}")

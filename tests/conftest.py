@@ -31,3 +31,45 @@ def packets(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def train_packet(packets) -> pathlib.Path:
     return packets / "M_ShortMove14_seg00.npz"
+
+
+class FakeEnv:
+    """The TrackingEnv interface on random observations of a given layout (no simulator), for the trainers' loops;
+    step number `crash_at` raises, as a dying engine would."""
+
+    def __init__(self, layout: dict, num_envs: int, crash_at: int = 0):
+        import envs
+        self.layout, self.num_envs, self.crash_at, self.steps = layout, num_envs, crash_at, 0
+        self.obs_layout = {k: list(v) for k, v in layout.items()}
+        self.gen = torch.Generator().manual_seed(0)
+        self.psi = {k: torch.ones(num_envs) for k in envs.PSI_KEYS}
+        self.nan_resets = torch.zeros((), dtype=torch.long)
+        self.reward_terms = tuple(envs.REWARD_COEFFS)
+        self.motions = type("Motions", (), {"mean_dof_pos": torch.zeros(29)})
+
+    def _obs(self):
+        obs = {k: torch.randn(self.num_envs, *s, generator=self.gen) for k, s in self.layout.items()}
+        obs["history_mask"] = obs["history_mask"] > -1.0
+        return obs
+
+    def reset(self):
+        return self._obs()
+
+    def step(self, alpha):
+        self.steps += 1
+        if self.steps == self.crash_at:
+            raise RuntimeError("the engine died")
+        n = self.num_envs
+        done = torch.rand(n, generator=self.gen) < 0.1
+        info = {"metrics": {"gt_err_m": torch.rand(n, generator=self.gen), "mpjpe_m": torch.rand(n)},
+                "reward_terms": {k: torch.rand(n) for k in self.reward_terms}, "time_out": done & (alpha[:, 0] > 0)}
+        return self._obs(), torch.rand(n, generator=self.gen), done, info
+
+    def get_rng_state(self):
+        return {"gen": self.gen.get_state()}
+
+    def set_rng_state(self, state):
+        self.gen.set_state(state["gen"])
+
+    def close(self):
+        pass

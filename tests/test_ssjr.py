@@ -279,7 +279,7 @@ def test_limits_and_ground_penetration_drop_segments(tmp_path):
 @needs_data
 def test_phc_pkl_needs_the_23dof_flag_then_maps_wrists_to_zero(tmp_path):
     pkl = sorted((ssjr.DATA_ROOT / "asap_phc_g1_23dof").glob("*squat_level1*.pkl"))[0]
-    with pytest.raises(ssjr.MotionError, match="--allow-23dof") as e:
+    with pytest.raises(ssjr.InputError, match="--allow-23dof") as e:
         ssjr.load_motions(pkl)
     assert str(e.value).startswith(str(pkl))
     (m,) = ssjr.load_motions(pkl, allow_23dof=True)
@@ -348,7 +348,7 @@ def test_smpl_joints_with_a_synthetic_model(tmp_path):
 @needs_data
 def test_amass_needs_a_model_and_converts_with_one(tmp_path):
     npz = ssjr.DATA_ROOT / "asap_amass_smpl" / "video_APT_level1_amass.npz"
-    with pytest.raises(ssjr.MotionError, match="SMPL body model.*licensed.*--smpl-model") as e:
+    with pytest.raises(ssjr.InputError, match="SMPL body model.*licensed.*--smpl-model") as e:
         ssjr.load_motions(npz)
     assert str(e.value).startswith(str(npz))
     reports = ssjr.convert(convert_args(tmp_path, npz, smpl_model=synthetic_smpl_model(tmp_path / "m.npz")))
@@ -370,7 +370,7 @@ def test_mjlab_npz_layouts(tmp_path):
     for m in (a, b):
         assert m.fps == 50 and np.allclose(m.dof_pos, q29) and np.allclose(m.root_quat, wxyz)
     np.savez(tmp_path / "c.npz", fps=50, joint_pos=q29)
-    with pytest.raises(ssjr.MotionError, match="no root pose"):
+    with pytest.raises(ssjr.InputError, match="no root pose"):
         ssjr.load_motions(tmp_path / "c.npz")
 
 
@@ -416,7 +416,7 @@ def bad_inputs(tmp_path):
 def test_each_bad_input_gets_a_one_line_error(tmp_path):
     cases = bad_inputs(tmp_path)
     fps_file = write_csv(tmp_path / "nofps.csv", standing_rows(3.0))
-    with pytest.raises(ssjr.MotionError, match="frame rate unknown") as e:
+    with pytest.raises(ssjr.InputError, match="frame rate unknown") as e:
         ssjr.load_motions(fps_file)
     assert str(e.value).startswith(str(fps_file))
     reports = ssjr.convert(convert_args(tmp_path, *(path for path, _ in cases.values()), fps=30.0))
@@ -443,7 +443,7 @@ def test_bvh_with_an_infinite_frame_time_is_a_clear_error(tmp_path):
     start = text.index("Frame Time:")
     bad = tmp_path / "inf.bvh"
     bad.write_text(text[:start] + "Frame Time: inf" + text[text.index("\n", start):])
-    with pytest.raises(ssjr.MotionError, match="invalid frame rate"):
+    with pytest.raises(ssjr.InputError, match="invalid frame rate"):
         ssjr.load_motions(bad)
 
 
@@ -462,17 +462,17 @@ def test_two_sources_of_one_clip_name_and_stale_segments(tmp_path):
 def test_unwritable_output_folder(tmp_path):
     (tmp_path / "file").write_text("")
     args = ssjr.Convert(src=(tmp_path,), out=tmp_path / "file" / "out")
-    with pytest.raises(ssjr.MotionError, match="output folder is not writable") as e:
+    with pytest.raises(ssjr.InputError, match="output folder is not writable") as e:
         ssjr.convert(args)
     assert str(e.value).startswith(str(args.out))
 
 
 def test_load_packet_rejects_non_packets(tmp_path):
     np.savez(tmp_path / "x.npz", fps=30.0)
-    with pytest.raises(ssjr.MotionError, match="not an SSJR packet"):
+    with pytest.raises(ssjr.InputError, match="not an SSJR packet"):
         ssjr.load_packet(tmp_path / "x.npz")
     (tmp_path / "y.npz").write_bytes(b"garbage")
-    with pytest.raises(ssjr.MotionError, match="cannot read packet"):
+    with pytest.raises(ssjr.InputError, match="cannot read packet"):
         ssjr.load_packet(tmp_path / "y.npz")
 
 

@@ -120,7 +120,7 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 def test_bad_teacher_checkpoints_are_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.pt"):
+    with pytest.raises(ssjr.InputError, match="nope.pt"):
         student.load_teacher(tmp_path / "nope.pt", "cpu")
     s_path, _ = make_student_ckpt(tmp_path / "s.pt")
     with pytest.raises(ValueError, match="expected a teacher checkpoint, found 'student'"):
@@ -290,3 +290,16 @@ def test_play_on_human_keypoints(trained, tmp_path):
     assert ssjr.load_packet(command)["kind"] == "human_keypoints"
     (episode,) = student.play(student.Play(ckpt=str(trained), motions=str(command), num_envs=1))
     assert episode["steps"] > 0 and np.isfinite(episode["keypoint_err_m"]) and episode["failed"] != episode["success"]
+
+
+def test_a_crash_keeps_the_last_finished_iteration(tmp_path):
+    """An exception in the DAgger loop (the env's, in iteration 3) still writes the checkpoint: iteration 2."""
+    from conftest import FakeEnv
+    t_path = make_teacher_ckpt(tmp_path / "teacher.pt")
+    args = dataclasses.replace(CPU, teacher_ckpt=str(t_path), num_envs=8, num_steps=4, minibatch_size=16,
+                               total_env_steps=10 * 32, checkpoint_every=100, torch_threads=1,
+                               run_dir=str(tmp_path / "run"))
+    with pytest.raises(RuntimeError, match="the engine died"):
+        student.train(args, env=FakeEnv(LAYOUT, 8, crash_at=2 * 4 + 3))
+    ckpt = torch.load(tmp_path / "run" / "student.pt", weights_only=False)
+    assert ckpt["kind"] == "student" and ckpt["iteration"] == 2 and ckpt["global_step"] == 2 * 32

@@ -5,6 +5,7 @@ import pathlib
 import pytest
 import torch
 
+import ssjr
 import teacher
 
 LAYOUT = {"proprio": [5, 535], "future": [8, 569], "ref_dof_pos": [29], "terrain": [121], "history": [16, 93],
@@ -73,7 +74,7 @@ def test_ppo_loss_on_a_toy_batch():
 
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.pt"):
+    with pytest.raises(ssjr.InputError, match="missing.pt"):
         teacher.load_checkpoint(tmp_path / "missing.pt", "teacher")
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
@@ -98,7 +99,7 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
 
 
 def test_minibatch_larger_than_the_rollout_is_refused():
-    with pytest.raises(SystemExit, match="larger than a rollout"):
+    with pytest.raises(ssjr.InputError, match="larger than a rollout"):
         teacher.main(small_args(num_envs=8, num_steps=4, minibatch_size=64))
 
 
@@ -155,3 +156,21 @@ def test_tracking_reward_improves_in_a_short_real_run(train_packet, tmp_path):
     reward, ret = log["charts/mean_reward"], log["charts/episode_return"]
     assert mean(reward[30:38]) > mean(reward[2:10]) + 0.01, reward
     assert mean(ret[30:38]) > 1.04 * mean(ret[2:10]), ret
+
+
+def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeypatch):
+    """An exception in the loop (here the env's, in iteration 4) still writes the checkpoint (no --checkpoint-every
+    reached): it holds iteration 3, and --resume continues from there."""
+    from conftest import FakeEnv
+    per_it = 8 * 4
+    args = small_args(num_envs=8, num_steps=4, minibatch_size=16, total_env_steps=10 * per_it, checkpoint_every=100,
+                      run_dir=str(tmp_path), torch_threads=1, env_workers=1)
+    monkeypatch.setattr(teacher, "build_env", lambda *a, **k: FakeEnv(LAYOUT, 8, crash_at=3 * 4 + 2))
+    with pytest.raises(RuntimeError, match="the engine died"):
+        teacher.main(args)
+    ckpt = torch.load(tmp_path / "teacher.pt", weights_only=False)
+    assert ckpt["iteration"] == 3 and ckpt["global_step"] == 3 * per_it
+    monkeypatch.setattr(teacher, "build_env", lambda *a, **k: FakeEnv(LAYOUT, 8))
+    teacher.main(small_args(resume=str(tmp_path / "teacher.pt"), total_env_steps=5 * per_it))
+    assert torch.load(tmp_path / "teacher.pt", weights_only=False)["iteration"] == 5
+    assert teacher.read_log(tmp_path)["iteration"] == [1, 2, 3, 4, 5]
