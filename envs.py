@@ -894,6 +894,8 @@ class TrackingEnv:
         """Restart every env from scratch as if built with `seed` (evaluation reuses one scene across seeds)."""
         self.gen.manual_seed(seed)
         self.next_clip = torch.arange(self.num_envs, device=self.device) % len(self.motions)
+        self.psi = sample_psi(self.dr, self.num_envs, self.gen, self.device)  # the body part too, as at start
+        self._write_psi(torch.arange(self.num_envs, device=self.device), body=True)
         return self.reset()
 
     def reset(self, env_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

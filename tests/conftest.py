@@ -15,6 +15,7 @@ TRAIN_CLIP = "karate/M_ShortMove14.csv"  # a calm 6.5 s clip (FACTS.md, CPU lear
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: builds a simulator or trains (minutes); CI runs them too")
+    config.addinivalue_line("markers", "cuda: the paper-scale GPU path (pytest -m cuda); skipped without CUDA")
 
 
 @pytest.fixture(scope="session")

@@ -87,6 +87,14 @@ def test_psi_differs_across_envs_fixed_in_episode_resampled_at_reset(env):
         for k in envs.PSI_KEYS:
             assert torch.equal(info["psi"][k][alive], psi0[k][alive])
     env.reset(torch.tensor([0, 1]))
+    assert env.psi["gravity_mps2"][0] != psi0["gravity_mps2"][0]  # redrawn every episode
+    assert env.psi["mass_scale"][0] == psi0["mass_scale"][0]  # the body part: once per env (DR.body_psi_per_episode)
+    assert torch.equal(env.psi["gravity_mps2"][2:], psi0["gravity_mps2"][2:])
+    env.dr.body_psi_per_episode = True
+    try:
+        env.reset(torch.tensor([0, 1]))
+    finally:
+        env.dr.body_psi_per_episode = False
     assert env.psi["mass_scale"][0] != psi0["mass_scale"][0]
     assert torch.equal(env.psi["mass_scale"][2:], psi0["mass_scale"][2:])
 
@@ -321,7 +329,7 @@ def test_env_workers_equal_in_process_envs_and_report_worker_errors(train_packet
             assert all(torch.equal(state_w[k], state_l[k]) for k in state_l)
     finally:
         workers.close()
-    with pytest.raises(RuntimeError, match="env worker 0 failed(.|\n)*no such motion packet"):
+    with pytest.raises(ssjr.InputError, match="missing.npz: no such motion packet"):  # the user's error, as is
         envs.EnvWorkers(2, 4, seed=0, **{**kw, "motions": "missing.npz"})
     with pytest.raises(ValueError, match="multiple of the env workers"):
         envs.EnvWorkers(2, 5, seed=0, **kw)
@@ -432,3 +440,16 @@ def test_real_blow_ups_at_every_substep_phase_are_reset_and_counted(env):
         obs, reward, done, info = env.step(obs["ref_dof_pos"])
         assert torch.isfinite(reward).all() and not info["nan"].any(), i
         assert all(torch.isfinite(v.float()).all() for v in obs.values()), i
+
+
+def test_genesis_builds_and_steps_the_terrain_mix_heightfield(train_packet):
+    """The paper preset's terrain (flat, smooth and rough slopes) as a Genesis heightfield, a few envs on the CPU:
+    the robots spawn on it, stand on it (root 0.5-1.1 m above the ground under it) and stay finite."""
+    env = envs.make_env("genesis", 4, "cpu", train_packet, dr=envs.DR(), terrain="mix", seed=0)
+    obs = env.reset()
+    for _ in range(25):
+        obs, reward, done, info = env.step(obs["ref_dof_pos"])
+        assert torch.isfinite(reward).all() and not info["nan"].any()
+    height = obs["proprio"][:, -1, 0]  # root height above the terrain under it
+    assert ((height > 0.5) & (height < 1.1)).all(), height
+    assert len(set(env.terrain.tile_types)) == 3
