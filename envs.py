@@ -10,8 +10,8 @@ steps physics, applies joint torques and reads/writes state. Physics runs at 200
 (decimation 4); PD control tau = kp * (alpha - q) - kd * qdot is computed here at every physics step, so the
 control law, the delay line and the gain randomization are identical on both engines.
 
-On a CPU an engine steps on one core: `EnvWorkers(num_workers, num_envs, seed, **make_env_kwargs)` runs one
-TrackingEnv per process behind the same interface (teacher.py `--env-workers`).
+On a CPU an engine steps on one core: the trainers scale out with torchrun, one process (rank) and one env per core
+or GPU.
 
 Observation table (per env; P=535, F=569, G=121, S=64, J=len(ssjr.KEYPOINT_NAMES)):
 | key               | shape        | content (heading frame = root frame with yaw only)                          |
@@ -40,7 +40,6 @@ import pathlib
 import shutil
 import tempfile
 import time
-import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -1141,169 +1140,6 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Several env processes seen as one batched env: a CPU engine steps on one core, so one process per core.
-# ----------------------------------------------------------------------------------------------------------------
-def _to_numpy(tree):
-    if torch.is_tensor(tree):
-        return tree.cpu().numpy()
-    if isinstance(tree, dict):
-        return {k: _to_numpy(v) for k, v in tree.items()}
-    return tree
-
-
-def _to_torch(tree):
-    if isinstance(tree, np.ndarray):
-        return torch.from_numpy(tree)
-    if isinstance(tree, dict):
-        return {k: _to_torch(v) for k, v in tree.items()}
-    return tree
-
-
-def _cat(parts: list):
-    """Concatenate per-worker results along the env axis (dicts recursively; counters are summed)."""
-    if isinstance(parts[0], dict):
-        return {k: _cat([p[k] for p in parts]) for k in parts[0]}
-    if torch.is_tensor(parts[0]) and parts[0].dim():
-        return torch.cat(parts)
-    return sum(parts)
-
-
-def _env_worker(conn, make_env_kwargs: dict):
-    """One TrackingEnv in this process. Observations go through shared-memory tensors made here and handed to the
-    parent once; actions, rewards and info travel as numpy arrays through the pipe (small)."""
-    import signal
-    import traceback
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
-    torch.set_num_threads(1)
-    try:
-        env = make_env(**make_env_kwargs)
-        obs = env.reset()
-        shared = {k: v.clone().share_memory_() for k, v in obs.items()}
-        motions = {"names": env.motions.names, "mean_dof_pos": env.motions.mean_dof_pos}
-        conn.send(("ready", (shared, env.obs_layout, _to_numpy(env.psi), motions)))
-        while True:
-            cmd, data = conn.recv()
-            if cmd == "step":
-                obs, reward, done, info = env.step(torch.from_numpy(data))
-                reply = (reward.numpy(), done.numpy(), _to_numpy(info), _to_numpy(env.psi))  # psi after resets
-            elif cmd == "reset":
-                obs, reply = env.reset(), _to_numpy(env.psi)
-            elif cmd == "get_rng_state":
-                reply = env.get_rng_state()
-            elif cmd == "set_rng_state":
-                env.set_rng_state(data)
-                reply = None
-            else:  # close
-                env.close()
-                conn.send(("ok", None))
-                return
-            if cmd in ("step", "reset"):
-                for k, v in obs.items():
-                    shared[k].copy_(v)
-            conn.send(("ok", reply))
-    except EOFError:  # the parent is gone
-        pass
-    except InputError as e:  # a user's mistake (e.g. a bad motion file): the parent raises it as it is
-        conn.send(("error", e))
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
-
-
-class EnvWorkers:
-    """`num_workers` TrackingEnvs, each in its own process with num_envs / num_workers envs, behind the TrackingEnv
-    interface the trainers use (reset, step, obs_layout, psi, nan_resets, num_envs, rng state). Worker w's env stream
-    is seeded with seed * num_workers + w (disjoint across run seeds); all share the terrain of `seed`. The workers
-    step in parallel (a CPU engine runs on one core); results are concatenated in worker order, so the same seed gives
-    the same numbers. CPU only (results travel as numpy arrays). `motions` holds the library's names and mean pose
-    only: the clips stay in the workers."""
-
-    def __init__(self, num_workers: int, num_envs: int, seed: int = 0, **make_env_kwargs):
-        import torch.multiprocessing as mp
-        if num_envs % num_workers:
-            raise InputError("--num-envs", f"{num_envs} must be a multiple of the env workers ({num_workers})")
-        if make_env_kwargs.get("device", "cpu") != "cpu":
-            raise InputError("--env-workers", "env workers are for CPU engines (one process per core); on a GPU use "
-                                              "one process (--env-workers 1)")
-        ctx = mp.get_context("spawn")  # a clean interpreter per worker: engines keep process-global state
-        ssjr.g1_mjcf_path()  # fetch the robot model here, once, not in every worker at the same time
-        self.num_envs, self.per_worker = num_envs, num_envs // num_workers
-        self.conns, self.procs, self.failed = [], [], set()
-        for w in range(num_workers):
-            parent, child = ctx.Pipe()
-            kwargs = {**make_env_kwargs, "num_envs": self.per_worker, "seed": seed * num_workers + w,
-                      "terrain_seed": seed}
-            proc = ctx.Process(target=_env_worker, args=(child, kwargs), daemon=True, name=f"env-worker-{w}")
-            proc.start()
-            child.close()  # the worker holds the other end: its death now reads as EOF here
-            self.conns.append(parent)
-            self.procs.append(proc)
-        ready = self._gather()
-        self.shared = [r[0] for r in ready]
-        self.obs_layout = ready[0][1]
-        self.psi = _cat([_to_torch(r[2]) for r in ready])
-        self.motions = types.SimpleNamespace(**ready[0][3])
-        self.nan_resets = 0
-
-    def _gather(self) -> list:
-        replies, failure = [], None
-        for w, conn in enumerate(self.conns):  # read every reply: no worker is left mid-message
-            try:
-                status, reply = conn.recv()
-            except (EOFError, OSError):
-                self.procs[w].join(1)
-                status, reply = "error", f"died (exit code {self.procs[w].exitcode})"
-            if status == "error":
-                self.failed.add(w)
-                failure = failure or (reply if isinstance(reply, InputError) else
-                                      RuntimeError(f"env worker {w} failed:\n{reply}"))
-            replies.append(reply)
-        if failure:
-            self.close()
-            raise failure
-        return replies
-
-    def _call(self, cmd: str, data: list | None = None) -> list:
-        for w, conn in enumerate(self.conns):
-            conn.send((cmd, None if data is None else data[w]))
-        return self._gather()
-
-    def _obs(self) -> dict[str, torch.Tensor]:
-        return {k: torch.cat([s[k] for s in self.shared]) for k in self.shared[0]}
-
-    def reset(self) -> dict[str, torch.Tensor]:
-        self.psi = _cat([_to_torch(r) for r in self._call("reset")])
-        return self._obs()
-
-    def step(self, alpha: torch.Tensor):
-        chunks = alpha.detach().cpu().split(self.per_worker)
-        replies = self._call("step", [c.contiguous().numpy() for c in chunks])
-        reward, done, info, self.psi = (_cat([_to_torch(r[i]) for r in replies]) for i in range(4))
-        self.nan_resets = info["nan_resets"]
-        return self._obs(), reward, done, info
-
-    def get_rng_state(self) -> list[dict[str, torch.Tensor]]:
-        return self._call("get_rng_state")
-
-    def set_rng_state(self, states: list[dict[str, torch.Tensor]]):
-        if len(states) != len(self.conns):
-            raise ValueError(f"{len(states)} env RNG states for {len(self.conns)} env workers (resume with the "
-                             f"checkpoint's --env-workers)")
-        self._call("set_rng_state", states)
-
-    def close(self):
-        for w, (conn, proc) in enumerate(zip(self.conns, self.procs)):
-            if proc.is_alive() and w not in self.failed:
-                with contextlib.suppress(OSError, EOFError):
-                    conn.send(("close", None))
-                    if conn.poll(30):
-                        conn.recv()
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-        self.conns, self.procs = [], []
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Benchmark: our env vs the raw engine stepping the same scene (same adapter, same N, same run).
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
@@ -1325,32 +1161,8 @@ class Bench:
     """domain randomization on"""
     torch_threads: int = 1
     """torch intra-op threads (1 is fastest for small batched ops on a 2-core machine)"""
-    workers: int = 1
-    """> 1: time EnvWorkers (num_envs split over that many processes) instead of the raw-engine comparison"""
     performance_mode: bool = False
     """Genesis performance mode (kernels compiled for this env count)"""
-
-
-def bench_workers(args: Bench) -> dict[str, float]:
-    """env-steps/s of EnvWorkers: the env as a trainer with --env-workers sees it (PD on the reference)."""
-    torch.set_num_threads(args.torch_threads)
-    t0 = time.time()
-    fast = {"performance_mode": True} if args.performance_mode else {}
-    env = EnvWorkers(args.workers, args.num_envs, 0, sim=args.sim, device=args.device, motions=args.motions,
-                     dr=DR() if args.dr else None, terrain=args.terrain, **fast)
-    obs = env.reset()
-    build_s = time.time() - t0
-    for _ in range(10):
-        obs = env.step(obs["ref_dof_pos"])[0]
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        obs = env.step(obs["ref_dof_pos"])[0]
-    rate = args.num_envs * args.steps / (time.perf_counter() - start)
-    env.close()
-    print(f"{args.sim} ({args.device}), {args.num_envs} envs in {args.workers} processes, terrain {args.terrain}, DR "
-          f"{'on' if args.dr else 'off'}, performance mode {'on' if args.performance_mode else 'off'}: HoRD env "
-          f"{rate:,.0f} env-steps/s (build {build_s:.0f} s)")
-    return {"build_s": build_s, "env_steps_per_s": rate}
 
 
 def bench(args: Bench) -> dict[str, float]:
@@ -1358,8 +1170,6 @@ def bench(args: Bench) -> dict[str, float]:
     measured two ways: (a) inside our env, the time spent in the engine's physics step alone during the same steps
     (same robots, same motions and contacts: the ratio ours/raw = the share of wall time that is physics); (b) the
     engine alone holding the reset pose with the same PD, no task logic (a contact-light ceiling)."""
-    if args.workers > 1:
-        return bench_workers(args)
     torch.set_num_threads(args.torch_threads)
     t0 = time.time()
     env = make_env(args.sim, args.num_envs, args.device, args.motions, DR() if args.dr else None, args.terrain,
@@ -1431,5 +1241,9 @@ def bench(args: Bench) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    import sys
     import tyro
-    bench(tyro.extras.subcommand_cli_from_dict({"bench": Bench}))
+    try:
+        bench(tyro.extras.subcommand_cli_from_dict({"bench": Bench}))
+    except InputError as e:
+        sys.exit(f"error: {e}")

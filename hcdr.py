@@ -234,6 +234,10 @@ def probe(args: Args) -> dict[str, dict[str, float]]:
 
 
 if __name__ == "__main__":
+    import sys
     import tyro
-
-    probe(tyro.extras.subcommand_cli_from_dict({"probe": Args}))
+    from ssjr import InputError
+    try:
+        probe(tyro.extras.subcommand_cli_from_dict({"probe": Args}))
+    except InputError as e:
+        sys.exit(f"error: {e}")

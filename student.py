@@ -1,7 +1,7 @@
 """Stage II of HoRD: online DAgger distillation of the teacher into the deployable student, in one file (CleanRL style).
 
     python student.py --teacher-ckpt runs/<teacher>/teacher.pt          # the paper's configuration (GPU)
-    python student.py --preset cpu --teacher-ckpt t.pt --motions data/packets/g1_moves/M_ShortMove14_seg00.npz
+    torchrun --standalone --nproc_per_node 2 student.py --preset cpu --teacher-ckpt t.pt   # 2 CPU cores: 2 ranks
     python student.py --preset cpu --resume runs/<run>/student.pt      # continue (only --total-env-steps may change)
     python student.py export --ckpt runs/<run>/student.pt --onnx student.onnx
     python student.py play --ckpt runs/<run>/student.pt --motions data/keypoints/cmu_bvh/131_01_seg00.npz
@@ -61,8 +61,9 @@ import ssjr
 import teacher
 from envs import SPARSE_STATE_DIM
 from ssjr import InputError
-from teacher import (build_env, check_layout, checkpoint_args, continue_env_stream, load_checkpoint, load_weights,
-                     rng_states, save_checkpoint, set_rng_states, setup_device)
+from teacher import (all_ranks, all_reduce_grads, build_env, check_layout, checkpoint_args, dist, init_distributed,
+                     load_checkpoint, load_weights, rng_states, save_checkpoint, saved_rng, set_rng_states,
+                     setup_device)
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Args:
     exp_name: str = "student"
     """name of this experiment (run folder prefix)"""
     seed: int = 0
-    """seed of torch, numpy, random and the env"""
+    """seed of torch, numpy, random and the env (rank r of a torchrun job uses seed + r)"""
     device: str = "cuda"
     """torch / simulation device (no silent fallback: cuda without a GPU is an error; --device cpu runs on purpose)"""
     amp: bool = False
@@ -90,9 +91,7 @@ class Args:
     hcdr_from_teacher: bool = False
     """initialize the student's HCDR (and its history normalizer) from the teacher's"""
     num_envs: int = 256
-    """parallel environments"""
-    env_workers: int = 1
-    """env processes (num_envs split evenly): a CPU engine steps on one core, so use one per core on a CPU"""
+    """parallel environments per rank (torchrun: each process runs this many; a plain run is one rank)"""
     performance_mode: bool = False
     """Genesis: kernels compiled for this num_envs (2x faster CPU physics; ~70 s compile at every start)"""
     total_env_steps: int = 100_000_000
@@ -102,7 +101,7 @@ class Args:
     update_epochs: int = 6
     """passes over each rollout (mini-epochs)"""
     minibatch_size: int = 2048
-    """samples per gradient step"""
+    """samples per gradient step and rank (the gradients are averaged over the ranks)"""
     lr: float = 2e-5
     """Adam learning rate"""
     max_grad_norm: float = 1.0
@@ -151,10 +150,10 @@ class Args:
 
 PRESETS = {
     "paper": Args(),
-    "cpu": Args(preset="cpu", device="cpu", num_envs=32, env_workers=2, total_env_steps=100_000, num_steps=24,
-                update_epochs=6, minibatch_size=256, lr=3e-4, d_model=64, num_layers=2, num_heads=4, ff_dim=128,
+    "cpu": Args(preset="cpu", device="cpu", num_envs=16, total_env_steps=100_000, num_steps=24,
+                update_epochs=6, minibatch_size=128, lr=3e-4, d_model=64, num_layers=2, num_heads=4, ff_dim=128,
                 head_dim=256, terrain_dim=64, hcdr_queries=4, hcdr_dim=32, hcdr_layers=1, checkpoint_every=20,
-                torch_threads=2),
+                torch_threads=1),
 }
 # The deployable inputs, in the order of the ONNX graph's inputs.
 STUDENT_OBS = ("student_proprio", "student_keypoints", "terrain", "history", "history_mask")
@@ -220,7 +219,7 @@ def noisy(obs: dict, state_std: torch.Tensor, keypoint_std: float) -> dict:
 
 
 def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch.Tensor, args: Args,
-                  amp=contextlib.nullcontext) -> list[float]:
+                  amp=contextlib.nullcontext, world: int = 1) -> list[float]:
     """update_epochs passes of minibatch MSE(alpha_2, alpha_1) over the rollout; returns the mean loss of each pass
     (read from the device once, at the end)."""
     policy.train()
@@ -235,6 +234,7 @@ def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch
                 loss = (policy({k: v[mb] for k, v in b_obs.items()}) - b_labels[mb]).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
+            all_reduce_grads(policy.parameters(), world)
             nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             optimizer.step()
             losses.append(loss.detach())
@@ -281,10 +281,12 @@ def train(args: Args, env=None) -> pathlib.Path:
     """Online DAgger. `env`: an already built env made from the teacher's env_cfg (tests share one); None builds it."""
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
     device, device_info = setup_device(args.device, args.amp)  # within seconds: before any engine or checkpoint
+    rank, world = init_distributed(device)
+    seed = args.seed + rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
     resume = load_checkpoint(args.resume, "student") if args.resume else None
     if resume is not None:  # the checkpoint fixes the teacher, the env and the model; only the budget may change
         args = dataclasses.replace(checkpoint_args(args.resume, resume, Args), total_env_steps=args.total_env_steps,
@@ -296,18 +298,21 @@ def train(args: Args, env=None) -> pathlib.Path:
                                       f"{resume['teacher']['global_step']:,}, but that file now holds step "
                                       f"{tckpt['global_step']:,} (the teacher run went on): start a new student")
     env_cfg = student_env_cfg(args, tckpt)
-    run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{env_cfg['sim']}_{args.seed}_{int(time.time())}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = pathlib.Path(args.run_dir or all_ranks(
+        f"runs/{args.exp_name}_{env_cfg['sim']}_{args.seed}_{int(time.time())}", world)[0])  # rank 0's name
     args.run_dir = str(run_dir)
-    print("student configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
-    print(f"  device: {device_info}")
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print("student configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
+    print(f"  rank {rank} of {world}: {device_info}")
 
     own_env = env is None
     if own_env:
-        env = build_env(env_cfg, args.num_envs, args.device, args.seed, args.env_workers,
+        env = build_env(env_cfg, args.num_envs, device, seed,
                         performance_mode=args.performance_mode)  # make_env applies it to Genesis only
-    if resume is not None:
-        continue_env_stream(env, resume, device)
+    rng = saved_rng(resume, device, rank) if resume is not None else None
+    if rng is not None:
+        env.set_rng_state(rng["env"])
     obs = env.reset()
     layout = env.obs_layout
     check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
@@ -319,8 +324,9 @@ def train(args: Args, env=None) -> pathlib.Path:
         load_weights(args.resume, policy, resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
         global_step, iteration = resume["global_step"], resume["iteration"]
-        set_rng_states(resume["rng"], device)
-        print(f"resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
+        if rng is not None:
+            set_rng_states(rng, device)
+        print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
     else:
         policy.alpha_0.copy_(env.motions.mean_dof_pos)
         if args.hcdr_from_teacher:
@@ -328,18 +334,20 @@ def train(args: Args, env=None) -> pathlib.Path:
     policy.eval()
 
     from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(run_dir)
+    writer = SummaryWriter(run_dir) if rank == 0 else None  # rank 0 alone writes logs and checkpoints
     ckpt_path = run_dir / "student.pt"
-    finished = {"global_step": global_step, "iteration": iteration, "env_rng": env.get_rng_state()}
+    finished = {"global_step": global_step, "iteration": iteration,
+                "rng": all_ranks({**rng_states(device), "env": env.get_rng_state()}, world)}
 
     def checkpoint():
         """The state after the last finished iteration (a crash mid-iteration saves the weights it has)."""
-        save_checkpoint(ckpt_path, {
-            "kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
-            "model": policy.state_dict(), "optimizer": optimizer.state_dict(),
-            "global_step": finished["global_step"], "iteration": finished["iteration"],
-            "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
-            "rng": {**rng_states(device), "env": finished["env_rng"]}})
+        if rank == 0:
+            save_checkpoint(ckpt_path, {
+                "kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
+                "model": policy.state_dict(), "optimizer": optimizer.state_dict(),
+                "global_step": finished["global_step"], "iteration": finished["iteration"], "world_size": world,
+                "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
+                "rng": finished["rng"]})
 
     stop = {"now": False}
     previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: save, exit
@@ -352,11 +360,11 @@ def train(args: Args, env=None) -> pathlib.Path:
     state_std = state_noise_std(args, layout["student_proprio"][-1] - 29).to(device)
     keypoint_std = args.noise_scale * args.noise_keypoint_m
     ep_len = torch.zeros(n, device=device)
-    num_iterations = args.total_env_steps // (n * T)
+    per_iteration = n * T * world  # env-steps of one iteration, all ranks together
     start_time, start_step = time.time(), global_step
 
     try:
-        while iteration < num_iterations and not stop["now"]:
+        while global_step + per_iteration <= args.total_env_steps and not stop["now"]:
             iteration += 1
             beta = args.beta * args.beta_decay ** (iteration - 1)
             # per-iteration sums on the device (read once per iteration): action mse, g-mpjpe, teacher-driven steps
@@ -380,46 +388,52 @@ def train(args: Args, env=None) -> pathlib.Path:
                 episode_sums += torch.stack([ended.sum(), (ep_len * ended).sum(),
                                              (info["time_out"].float() * ended).sum()])
                 ep_len *= 1.0 - ended
-            global_step += n * T
+            global_step += per_iteration
 
             # ALGO LOGIC: regress alpha_2 onto alpha_1 over the rollout
             flat = lambda x: x.reshape(n * T, *x.shape[2:])
             epoch_losses = dagger_update(policy, optimizer, {k: flat(v) for k, v in buf_obs.items()}, flat(labels),
-                                         args, amp)
+                                         args, amp, world)
 
-            # logging: one host read, TensorBoard + one line per iteration
-            (action_mse, gt_err_m, teacher_fraction), (episodes, *ep) = ((step_sums / T).tolist(),
-                                                                         episode_sums.tolist())
+            # logging: one host read (means over the ranks, episode sums over all), TensorBoard + one line
+            totals = torch.cat([episode_sums, env.nan_resets.float()[None]])
+            if world > 1:
+                dist.all_reduce(step_sums)
+                dist.all_reduce(totals)
+            (action_mse, gt_err_m, teacher_fraction), (episodes, *ep, nan_resets) = ((step_sums / T / world).tolist(),
+                                                                                     totals.tolist())
             length, success = (x / episodes if episodes else float("nan") for x in ep)
             elapsed = time.time() - start_time
             sps = (global_step - start_step) / elapsed
             scalars = {"charts/action_mse": action_mse, "charts/success_rate": success,
                        "charts/episode_length": length, "charts/gt_err_mm": 1000 * gt_err_m, "charts/beta": beta,
                        "charts/teacher_action_fraction": teacher_fraction, "charts/SPS": sps,
-                       "charts/nan_resets": int(env.nan_resets), "losses/dagger_mse_first_epoch": epoch_losses[0],
+                       "charts/nan_resets": nan_resets, "losses/dagger_mse_first_epoch": epoch_losses[0],
                        "losses/dagger_mse": epoch_losses[-1]}
-            for k, v in scalars.items():
-                writer.add_scalar(k, v, global_step)
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
-            eta_min = (num_iterations - iteration) * n * T / max(sps, 1e-6) / 60
-            print(f"it {iteration}/{num_iterations} step {global_step:,} | {sps:,.0f} env-steps/s | action mse "
-                  f"{action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | success {success:.2f} | "
-                  f"g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f} | ETA {eta_min:.1f} min", flush=True)
-            finished.update(global_step=global_step, iteration=iteration, env_rng=env.get_rng_state())
+            finished.update(global_step=global_step, iteration=iteration,
+                            rng=all_ranks({**rng_states(device), "env": env.get_rng_state()}, world))
+            if rank == 0:
+                for k, v in scalars.items():
+                    writer.add_scalar(k, v, global_step)
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
+                eta_min = (args.total_env_steps - global_step) / max(sps, 1e-6) / 60
+                print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | "
+                      f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | success "
+                      f"{success:.2f} | g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f} | ETA {eta_min:.1f} min",
+                      flush=True)
             if iteration % args.checkpoint_every == 0:
                 checkpoint()
     finally:  # also on a crash: what was learnt so far is kept (atomically, as always)
         checkpoint()
-        writer.close()
+        if writer is not None:
+            writer.close()
         if own_env:
             env.close()
         signal.signal(signal.SIGINT, previous_handler)
-    saved = f"saved {ckpt_path}"
-    if (run_dir / "metrics.jsonl").exists():  # at least one iteration logged
+    if rank == 0 and (run_dir / "metrics.jsonl").exists():  # at least one iteration logged
         plot_distillation_curve(run_dir)
-        saved += f" and {run_dir / 'distillation_curve.png'}"
-    print(saved)
+        print(f"saved {ckpt_path} and {run_dir / 'distillation_curve.png'}")
     return ckpt_path
 
 
@@ -583,3 +597,6 @@ if __name__ == "__main__":
             train(parse_args())
     except InputError as e:
         sys.exit(f"error: {e}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -2,7 +2,8 @@
 and HCDR, in one file (CleanRL style).
 
     python teacher.py --num-envs 4096                  # the paper's configuration (GPU)
-    python teacher.py --preset cpu                     # small model, few envs: runs on a 2-core CPU in minutes
+    torchrun --standalone --nproc_per_node 2 teacher.py --preset cpu   # small model: a 2-core CPU, one rank per core
+    torchrun --standalone --nproc_per_node 8 teacher.py               # 8 GPUs: one rank each, gradients all-reduced
     python teacher.py --preset cpu --resume runs/<run>/teacher.pt
 
 The policy reads one token per stacked proprio step (5), one per future reference step (8), a terrain token g_t and
@@ -25,11 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import tyro
 
 import envs
-import ssjr
 from hcdr import HCDR
 from ssjr import InputError
 
@@ -42,7 +43,7 @@ class Args:
     exp_name: str = "teacher"
     """name of this experiment (run folder prefix)"""
     seed: int = 0
-    """seed of torch, numpy, random and the env"""
+    """seed of torch, numpy, random and the env (rank r of a torchrun job uses seed + r)"""
     device: str = "cuda"
     """torch / simulation device (no silent fallback: cuda without a GPU is an error; --device cpu runs on purpose)"""
     amp: bool = False
@@ -63,9 +64,7 @@ class Args:
     no_hcdr: bool = False
     """the 'w/o HCDR' ablation: no history token"""
     num_envs: int = 4096
-    """parallel environments"""
-    env_workers: int = 1
-    """env processes (num_envs split evenly): a CPU engine steps on one core, so use one per core on a CPU"""
+    """parallel environments per rank (torchrun: each process runs this many; a plain run is one rank)"""
     performance_mode: bool = False
     """Genesis: kernels compiled for this num_envs (2x faster CPU physics; ~70 s compile at every start)"""
     total_env_steps: int = 1_000_000_000
@@ -73,7 +72,7 @@ class Args:
     num_steps: int = 32
     """rollout length per env per iteration"""
     minibatch_size: int = 16384
-    """samples per gradient step (paper 'batch 16384')"""
+    """samples per gradient step and rank (paper 'batch 16384'; the gradients are averaged over the ranks)"""
     update_epochs: int = 1
     """passes over each rollout (paper 'mini-epochs 1')"""
     actor_lr: float = 2e-5
@@ -126,11 +125,11 @@ class Args:
 
 PRESETS = {
     "paper": Args(),
-    "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=128, env_workers=2,
-                performance_mode=True, total_env_steps=200_000, num_steps=24, minibatch_size=768, update_epochs=1,
+    "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=64,
+                performance_mode=True, total_env_steps=200_000, num_steps=24, minibatch_size=384, update_epochs=1,
                 actor_lr=1e-4, desired_kl=0.01, critic_lr=3e-4, log_std=-2.0,
                 d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256, terrain_dim=64, critic_dim=256,
-                hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=2),
+                hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=1),
 }
 # The env keys the teacher reads; their shapes are checked against the checkpoint's observation layout.
 TEACHER_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask", "critic")
@@ -149,9 +148,16 @@ class RunningNorm(nn.Module):
     def update(self, x: torch.Tensor):
         x = x.reshape(-1, *self.mean.shape)
         x = x[torch.isfinite(x).flatten(1).all(-1)]
-        if len(x) == 0:
+        if dist.is_initialized():  # the batch of every rank: all ranks keep the same statistics
+            sums = torch.stack([torch.full_like(self.mean, len(x)), x.sum(0), x.pow(2).sum(0)])
+            dist.all_reduce(sums)
+            n = int(sums[0].flatten()[0])
+            batch_mean = sums[1] / max(n, 1)
+            batch_var = sums[2] / max(n, 1) - batch_mean.pow(2)
+        else:
+            n, batch_mean, batch_var = len(x), x.mean(0), x.var(0, unbiased=False)
+        if n == 0:
             return
-        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), len(x)
         delta, total = batch_mean - self.mean, self.count + n
         self.mean += delta * n / total
         self.var = (self.var * self.count + batch_var * n + delta.pow(2) * self.count * n / total) / total
@@ -263,8 +269,8 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, lam: float) ->
 
 def ppo_losses(agent, obs, actions, old_logprob, advantages, returns, clip_coef: float):
     """Clipped surrogate and value loss on one minibatch; also approx-KL and the clip fraction (for logging)."""
-    dist = agent.dist(obs)
-    log_ratio = dist.log_prob(actions).sum(-1) - old_logprob
+    pi = agent.dist(obs)
+    log_ratio = pi.log_prob(actions).sum(-1) - old_logprob
     ratio = log_ratio.exp()
     adv = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
@@ -342,13 +348,16 @@ def set_rng_states(states: dict, device):
         torch.cuda.set_rng_state(states["cuda"], device)
 
 
-def continue_env_stream(env, resume: dict, device):
-    """--resume: the env's clip/psi/push sequence continues where the checkpoint left it (same device type only: a
-    generator's state does not fit another device's generator)."""
-    if torch.device(resume["args"]["device"]).type == device.type and resume["rng"]["env"] is not None:
-        env.set_rng_state(resume["rng"]["env"])
-    else:
-        print(f"resuming a {resume['args']['device']} run on {device}: the env's random stream restarts from the seed")
+def saved_rng(resume: dict, device, rank: int) -> dict | None:
+    """--resume: this rank's learner and env random states (the env's clip/psi/push stream continues where it was).
+    None for a rank the checkpoint has no state for (more ranks than it was written with) or another device type (a
+    generator's state does not fit another device's generator): that rank keeps its fresh seed + rank streams."""
+    states = resume["rng"]
+    if rank < len(states) and torch.device(resume["args"]["device"]).type == device.type:
+        return states[rank]
+    print(f"rank {rank}: the checkpoint ({len(states)} ranks, {resume['args']['device']}) has no random state for it "
+          f"on {device.type}: its streams restart from the seed")
+    return None
 
 
 def env_kwargs(args) -> dict:
@@ -357,13 +366,11 @@ def env_kwargs(args) -> dict:
                 start=args.start)
 
 
-def build_env(cfg: dict, num_envs: int, device: str, seed: int, workers: int = 1, **overrides):
-    """The env from a checkpoint's env_kwargs; workers > 1: that many env processes (envs.EnvWorkers)."""
+def build_env(cfg: dict, num_envs: int, device, seed: int, **overrides):
+    """The env from a checkpoint's env_kwargs."""
     cfg = {**cfg, **overrides}
     dr = envs.DR() if cfg.pop("dr") == "default" else None
-    if workers > 1:  # CPU engines: one env process per core
-        return envs.EnvWorkers(workers, num_envs, seed, device=device, dr=dr, **cfg)
-    return envs.make_env(num_envs=num_envs, device=device, dr=dr, seed=seed, **cfg)
+    return envs.make_env(num_envs=num_envs, device=str(device), dr=dr, seed=seed, **cfg)
 
 
 def load_policy(path, device="cpu"):
@@ -379,6 +386,8 @@ def setup_device(name: str, amp: bool) -> tuple[torch.device, str]:
     """The torch device, checked before anything is built, and a line describing it. CUDA asked for but absent is an
     error, not a silent CPU run. On CUDA, fp32 matmuls and convolutions use TF32; the CPU path stays exact fp32."""
     device = torch.device(name)
+    if device.type == "cuda" and device.index is None:  # torchrun: one GPU per process on this node
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device.type != "cuda":
         if amp:
             raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
@@ -386,11 +395,43 @@ def setup_device(name: str, amp: bool) -> tuple[torch.device, str]:
     if not torch.cuda.is_available():
         raise InputError(f"--device {name}", f"CUDA is not available on this machine (torch {torch.__version__}); "
                                              f"to run on the CPU on purpose pass --device cpu, or --preset cpu")
+    torch.cuda.set_device(device)
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     torch.backends.cudnn.conv.fp32_precision = "tf32"
     gpu = torch.cuda.get_device_properties(device)
     return device, (f"{gpu.name} ({gpu.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA "
                     f"{torch.version.cuda}, TF32 matmuls, {'bf16 autocast' if amp else 'fp32 activations'}")
+
+
+# --- scale-out: torchrun starts one process (rank) per GPU or CPU core, each with its own env and learner replica ----
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size). Under torchrun (WORLD_SIZE > 1) this joins the process group: nccl on CUDA, gloo on the
+    CPU (multi-node: torchrun's --nnodes/--rdzv-* flags). A plain `python` run is rank 0 of 1."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def all_reduce_grads(params, world: int):
+    """Average the gradients over the ranks in one flat all-reduce (as rsl_rl does)."""
+    if world == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(new.view_as(g))
+
+
+def all_ranks(x, world: int) -> list:
+    """Every rank's `x` (any picklable object), in rank order."""
+    if world == 1:
+        return [x]
+    out = [None] * world
+    dist.all_gather_object(out, x)
+    return out
 
 
 def preset_from_argv(argv: list[str]) -> str:
@@ -414,10 +455,12 @@ def parse_args() -> Args:
 def main(args: Args):
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
     device, device_info = setup_device(args.device, args.amp)  # within seconds: before any engine or checkpoint
+    rank, world = init_distributed(device)
+    seed = args.seed + rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
     resume = load_checkpoint(args.resume, "teacher") if args.resume else None
     if resume is not None:  # the checkpoint fixes the env and the model; only the budget and the device may change
         args = dataclasses.replace(checkpoint_args(args.resume, resume, Args), total_env_steps=args.total_env_steps,
@@ -426,16 +469,19 @@ def main(args: Args):
     if args.minibatch_size > args.num_envs * args.num_steps:
         raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
                                              f"x {args.num_steps} steps)")
-    run_dir = pathlib.Path(args.run_dir or f"runs/{args.exp_name}_{args.sim}_{args.seed}_{int(time.time())}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = pathlib.Path(args.run_dir or all_ranks(f"runs/{args.exp_name}_{args.sim}_{args.seed}_{int(time.time())}",
+                                                     world)[0])  # rank 0's name
     args.run_dir = str(run_dir)
-    print("teacher configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
-    print(f"  device: {device_info}")
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print("teacher configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
+    print(f"  rank {rank} of {world}: {device_info}")
 
-    env = build_env(env_kwargs(args), args.num_envs, args.device, args.seed, args.env_workers,
+    env = build_env(env_kwargs(args), args.num_envs, device, seed,
                     performance_mode=args.performance_mode)  # make_env applies it to Genesis only
-    if resume is not None:
-        continue_env_stream(env, resume, device)
+    rng = saved_rng(resume, device, rank) if resume is not None else None
+    if rng is not None:
+        env.set_rng_state(rng["env"])
     obs = env.reset()
     layout = env.obs_layout
     agent = Agent(layout, args).to(device)
@@ -449,21 +495,24 @@ def main(args: Args):
         actor_opt.load_state_dict(resume["actor_opt"])
         critic_opt.load_state_dict(resume["critic_opt"])
         global_step, iteration = resume["global_step"], resume["iteration"]
-        set_rng_states(resume["rng"], device)
-        print(f"resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
+        if rng is not None:
+            set_rng_states(rng, device)
+        print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
 
     from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(run_dir)
+    writer = SummaryWriter(run_dir) if rank == 0 else None  # rank 0 alone writes logs and checkpoints
     ckpt_path = run_dir / "teacher.pt"
-    finished = {"global_step": global_step, "iteration": iteration, "env_rng": env.get_rng_state()}
+    finished = {"global_step": global_step, "iteration": iteration,
+                "rng": all_ranks({**rng_states(device), "env": env.get_rng_state()}, world)}
 
     def checkpoint():
         """The state after the last finished iteration (a crash mid-iteration saves the weights it has)."""
-        save_checkpoint(ckpt_path, {
-            "kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_kwargs(args), "obs_layout": layout,
-            "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
-            "global_step": finished["global_step"], "iteration": finished["iteration"],
-            "rng": {**rng_states(device), "env": finished["env_rng"]}})
+        if rank == 0:
+            save_checkpoint(ckpt_path, {
+                "kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_kwargs(args), "obs_layout": layout,
+                "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
+                "critic_opt": critic_opt.state_dict(), "global_step": finished["global_step"],
+                "iteration": finished["iteration"], "world_size": world, "rng": finished["rng"]})
 
     stop = {"now": False}
     previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish, save, exit
@@ -475,12 +524,12 @@ def main(args: Args):
     actions = torch.zeros(T, n, 29, device=device)
     logprobs, rewards, dones, time_outs, values = (torch.zeros(T, n, device=device) for _ in range(5))
     ep_return, ep_len = torch.zeros(n, device=device), torch.zeros(n, device=device)
-    num_iterations = args.total_env_steps // (n * T)
+    per_iteration = n * T * world  # env-steps of one iteration, all ranks together
     start_time, start_step = time.time(), global_step
     sim_time = 0.0
 
     try:
-        while iteration < num_iterations and not stop["now"]:
+        while global_step + per_iteration <= args.total_env_steps and not stop["now"]:
             iteration += 1
             # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps or episodes
             step_sums = torch.zeros(2 + len(envs.REWARD_COEFFS), device=device)  # gt_err_m, mpjpe_m, reward terms
@@ -490,9 +539,9 @@ def main(args: Args):
                 for k in TEACHER_OBS:
                     buf_obs[k][step] = obs[k]
                 with torch.no_grad(), amp():
-                    dist = agent.dist(obs)
-                    a = dist.sample()
-                    logprobs[step] = dist.log_prob(a).sum(-1)
+                    pi = agent.dist(obs)
+                    a = pi.sample()
+                    logprobs[step] = pi.log_prob(a).sum(-1)
                     values[step] = agent.value(obs)
                 actions[step] = a
                 t0 = time.time()
@@ -501,14 +550,15 @@ def main(args: Args):
                 rewards[step], dones[step], time_outs[step] = reward, done.float(), info["time_out"].float()
                 ep_return += reward
                 ep_len += 1
-                step_sums += torch.stack([info["metrics"]["gt_err_m"].nanmean(), info["metrics"]["mpjpe_m"].nanmean(),
-                                          *(info["reward_terms"][k].nanmean() for k in envs.REWARD_COEFFS)])  # nan: blown up
+                metrics, terms = info["metrics"], info["reward_terms"]  # nanmean: a blown-up env is NaN
+                step_sums += torch.stack([metrics["gt_err_m"].nanmean(), metrics["mpjpe_m"].nanmean(),
+                                          *(terms[k].nanmean() for k in envs.REWARD_COEFFS)])
                 ended = done.float()
                 episode_sums += torch.stack([ended.sum(), (ep_return * ended).sum(), (ep_len * ended).sum(),
                                              (info["time_out"].float() * ended).sum()])
                 ep_return *= 1.0 - ended
                 ep_len *= 1.0 - ended
-            global_step += n * T
+            global_step += per_iteration
 
             # ALGO LOGIC: GAE. A clip end is a time limit, not a failure: it is bootstrapped with V(s_t) (rsl_rl),
             # since the critic cannot tell how much of the clip is left
@@ -538,9 +588,13 @@ def main(args: Args):
                     approx_kls.append(approx_kl)
                     clipfracs.append(clipfrac)
                     # adaptive step size: shrink when the policy moved too far, grow when timid (not on the first
-                    # minibatch: the policy is still the rollout's, its KL is 0). One host read per minibatch.
+                    # minibatch: the policy is still the rollout's, its KL is 0). One host read per minibatch; the
+                    # KL is the mean over the ranks, so every rank steps its lr alike.
                     if args.desired_kl > 0 and (epoch > 0 or start > 0):
-                        kl = approx_kl.item()
+                        kl = approx_kl.clone()
+                        if world > 1:
+                            dist.all_reduce(kl)
+                        kl = kl.item() / world
                         for group in actor_opt.param_groups:
                             if kl > 2.0 * args.desired_kl:
                                 group["lr"] = max(group["lr"] / 1.5, 1e-6)
@@ -550,6 +604,7 @@ def main(args: Args):
                     actor_opt.zero_grad()
                     critic_opt.zero_grad()
                     loss.backward()
+                    all_reduce_grads(agent.parameters(), world)
                     nn.utils.clip_grad_norm_(agent.actor.parameters(), args.max_grad_norm)
                     nn.utils.clip_grad_norm_(agent.critic.parameters(), args.max_grad_norm)
                     actor_opt.step()
@@ -559,45 +614,52 @@ def main(args: Args):
             # from every 4th rollout step (consecutive steps are nearly the same states: a quarter of the cost)
             agent.update_norms({k: v[::4] for k, v in buf_obs.items()})
 
-            # logging: one host read of everything, TensorBoard + one line per iteration
+            # logging: one host read of everything (means over the ranks, episode sums over all), TensorBoard + a line
             on_device = {"charts/mean_reward": rewards.mean(), "losses/policy_loss": pg_loss.detach(),
                          "losses/value_loss": v_loss.detach(), "losses/approx_kl": torch.stack(approx_kls).mean(),
-                         "losses/clipfrac": torch.stack(clipfracs).mean(), "charts/nan_resets": env.nan_resets,
+                         "losses/clipfrac": torch.stack(clipfracs).mean(),
                          "losses/explained_variance": 1 - (b_returns - b_values).var() / b_returns.var(),
                          **{f"dr/{k}": v.float().mean() for k, v in env.psi.items()}}
-            host = torch.cat([torch.stack([torch.as_tensor(v, device=device).float() for v in on_device.values()]),
-                              step_sums / T, episode_sums]).tolist()
+            means = torch.cat([torch.stack(list(on_device.values())).float(), step_sums / T])
+            totals = torch.cat([episode_sums, env.nan_resets.float()[None]])
+            if world > 1:
+                dist.all_reduce(means)
+                dist.all_reduce(totals)
+            host = (means / world).tolist() + totals.tolist()
             scalars = dict(zip(on_device, host))
-            (gt_err_m, mpjpe_m, *terms), (episodes, *ep) = host[len(on_device):-4], host[-4:]
+            (gt_err_m, mpjpe_m, *terms), (episodes, *ep, nan_resets) = host[len(on_device):-5], host[-5:]
             ep_return_mean, ep_len_mean, success = (x / episodes if episodes else float("nan") for x in ep)
             elapsed = time.time() - start_time
             sps = (global_step - start_step) / elapsed
             scalars.update({"charts/episode_return": ep_return_mean, "charts/episode_length": ep_len_mean,
                             "charts/success_rate": success, "charts/gt_err_mm": 1000 * gt_err_m,
                             "charts/mpjpe_mm": 1000 * mpjpe_m, "charts/SPS": sps,
-                            "charts/sim_time_fraction": sim_time / elapsed,
+                            "charts/sim_time_fraction": sim_time / elapsed, "charts/nan_resets": nan_resets,
                             "losses/actor_lr": actor_opt.param_groups[0]["lr"],
                             **{f"rewards/{k}": v for k, v in zip(envs.REWARD_COEFFS, terms)}})
-            for k, v in scalars.items():
-                writer.add_scalar(k, v, global_step)
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
-            eta_min = (num_iterations - iteration) * n * T / max(sps, 1e-6) / 60
-            print(f"it {iteration}/{num_iterations} step {global_step:,} | {sps:,.0f} env-steps/s | reward "
-                  f"{scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
-                  f"{scalars['charts/gt_err_mm']:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets "
-                  f"{scalars['charts/nan_resets']:.0f} | ETA {eta_min:.1f} min", flush=True)
-            finished.update(global_step=global_step, iteration=iteration, env_rng=env.get_rng_state())
+            finished.update(global_step=global_step, iteration=iteration,
+                            rng=all_ranks({**rng_states(device), "env": env.get_rng_state()}, world))
+            if rank == 0:
+                for k, v in scalars.items():
+                    writer.add_scalar(k, v, global_step)
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
+                eta_min = (args.total_env_steps - global_step) / max(sps, 1e-6) / 60
+                print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | reward "
+                      f"{scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
+                      f"{scalars['charts/gt_err_mm']:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets "
+                      f"{nan_resets:.0f} | ETA {eta_min:.1f} min", flush=True)
             if iteration % args.checkpoint_every == 0:
                 checkpoint()
     finally:  # also on a crash: what was learnt so far is kept (atomically, as always)
         checkpoint()
         signal.signal(signal.SIGINT, previous_handler)
-        writer.close()
+        if writer is not None:
+            writer.close()
         env.close()
-    if (run_dir / "metrics.jsonl").exists():
+    if rank == 0 and (run_dir / "metrics.jsonl").exists():
         plot_learning_curve(run_dir)
-    print(f"saved {ckpt_path} and {run_dir / 'learning_curve.png'}")
+        print(f"saved {ckpt_path} and {run_dir / 'learning_curve.png'}")
     return ckpt_path
 
 
@@ -636,3 +698,6 @@ if __name__ == "__main__":
         main(parse_args())
     except InputError as e:
         sys.exit(f"error: {e}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -296,45 +296,6 @@ def test_resetting_some_envs_leaves_the_others_observations_alone(env):
     assert torch.equal(obs["proprio"][0, 0], obs["proprio"][0, -1])  # a fresh stack repeats its first frame
 
 
-def test_env_workers_equal_in_process_envs_and_report_worker_errors(train_packet):
-    """EnvWorkers (2 processes x 2 envs, seeds 0 and 1) gives the same numbers as the two envs built in this process
-    and concatenated (adaptive starts: their statistics travel with the RNG state); a worker that fails reports its
-    own error."""
-    kw = dict(sim="genesis", device="cpu", motions=str(train_packet), dr=envs.DR(), terrain="flat", start="adaptive")
-    workers = envs.EnvWorkers(2, 4, seed=0, **kw)
-    local = [envs.make_env(num_envs=2, seed=s, terrain_seed=0, **kw) for s in (0, 1)]
-    try:
-        for e in local:  # a worker resets once at start-up (to publish its observation layout)
-            e.reset()
-        obs_w = workers.reset()
-        obs_l = [e.reset() for e in local]
-        assert workers.obs_layout == local[0].obs_layout
-        assert workers.motions.names == local[0].motions.names
-        assert torch.equal(workers.motions.mean_dof_pos, local[0].motions.mean_dof_pos)
-        gen = torch.Generator().manual_seed(0)
-        for _ in range(30):
-            for k in obs_w:
-                assert torch.allclose(obs_w[k].float(), torch.cat([o[k] for o in obs_l]).float(), atol=1e-4), k
-            alpha = obs_w["ref_dof_pos"] + 0.2 * torch.randn(4, 29, generator=gen)
-            obs_w, reward_w, done_w, info_w = workers.step(alpha)
-            steps = [e.step(a) for e, a in zip(local, alpha.split(2))]
-            obs_l = [s[0] for s in steps]
-            assert torch.allclose(reward_w, torch.cat([s[1] for s in steps]), atol=1e-5)
-            assert torch.equal(done_w, torch.cat([s[2] for s in steps]))
-            assert torch.equal(info_w["clip"], torch.cat([s[3]["clip"] for s in steps]))
-        assert torch.equal(workers.psi["mass_scale"], torch.cat([e.psi["mass_scale"] for e in local]))
-        for state_w, e in zip(workers.get_rng_state(), local):
-            state_l = e.get_rng_state()
-            assert state_w.keys() == state_l.keys() == {"gen", "starts"}
-            assert all(torch.equal(state_w[k], state_l[k]) for k in state_l)
-    finally:
-        workers.close()
-    with pytest.raises(ssjr.InputError, match="missing.npz: no such motion packet"):  # the user's error, as is
-        envs.EnvWorkers(2, 4, seed=0, **{**kw, "motions": "missing.npz"})
-    with pytest.raises(ValueError, match="multiple of the env workers"):
-        envs.EnvWorkers(2, 5, seed=0, **kw)
-
-
 def test_motion_lib_tick_table_matches_the_packet_frames(train_packet):
     """The 50 Hz tick table: a tick on a 30 fps frame (every 5th) is that frame; a tick between two frames is their
     lerp (positions) / slerp (rotations); ticks clamp to the clip; two clips are indexed apart."""
