@@ -440,8 +440,10 @@ class GenesisSim:
         self.default_torso_com = self._t(self.robot.get_links_COM([self.links[self.torso]]))[:, 0]
         self.robot.set_dofs_kp(torch.zeros(num_envs, 29), self.dofs)
         self.robot.set_dofs_kv(torch.zeros(num_envs, 29), self.dofs)
+        from genesis.utils.array_class import ErrorCode
         from genesis.utils.misc import qd_to_torch
         self._errno = qd_to_torch(self.scene.rigid_solver._errno, copy=False)  # the per-env error flags, a live view
+        self._nan_bits = ErrorCode.INVALID_CONTACT_NAN | ErrorCode.INVALID_FORCE_NAN | ErrorCode.INVALID_ACC_NAN
         self._blown_up = torch.zeros(num_envs, dtype=torch.bool, device=self.device)
 
     def _t(self, x):
@@ -451,10 +453,10 @@ class GenesisSim:
         self.robot.control_dofs_force(tau_nm, self.dofs)
         self.scene.step()
         # Genesis raises at its next error check (every 10 substeps) once an env has gone non-finite, which can come
-        # before the task's check at the end of the control step. The flags move here (no host sync) and nan_envs()
-        # hands them to the task, which resets those envs.
-        self._blown_up |= self._errno != 0
-        self._errno.zero_()
+        # before the task's check at the end of the control step. Those flags move here (no host sync) and nan_envs()
+        # hands them to the task, which resets those envs; capacity overflows stay Genesis' errors.
+        self._blown_up |= (self._errno & self._nan_bits) != 0
+        self._errno &= ~self._nan_bits
 
     def dof_state(self):
         return self._t(self.robot.get_dofs_position(self.dofs)), self._t(self.robot.get_dofs_velocity(self.dofs))
@@ -856,7 +858,8 @@ class TrackingEnv:
     def get_rng_state(self) -> dict[str, torch.Tensor]:
         """The env's random stream (clips, start times, psi, pushes, tiles) and the AdaptiveStarts statistics: saved
         with a checkpoint for --resume."""
-        return {"gen": self.gen.get_state(), **({"starts": self.starts.state()} if self.starts is not None else {})}
+        return {"gen": self.gen.get_state(),
+                **({"starts": self.starts.state().cpu()} if self.starts is not None else {})}
 
     def set_rng_state(self, state: dict[str, torch.Tensor] | torch.Tensor):
         if torch.is_tensor(state):  # checkpoints written before AdaptiveStarts saved the generator alone
@@ -1123,6 +1126,8 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     seed (default: seed)."""
     if num_envs < 1:
         raise InputError("--num-envs", f"must be at least 1, got {num_envs}")
+    if sim not in ("genesis", "isaaclab"):
+        raise InputError("--sim", f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
     if start not in START_MODES:  # before the engine: Isaac Lab allows one simulation per process
         raise InputError("--start", f"unknown start '{start}': choose one of {START_MODES}")
     paths = resolve_motions(motions)
@@ -1132,10 +1137,8 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     ground = make_terrain(terrain, seed if terrain_seed is None else terrain_seed)
     if sim == "genesis":
         engine = GenesisSim(num_envs, device, ground, performance_mode=performance_mode)
-    elif sim == "isaaclab":
-        engine = IsaacLabSim(num_envs, device, ground)
     else:
-        raise InputError("--sim", f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
+        engine = IsaacLabSim(num_envs, device, ground)
     return TrackingEnv(engine, motion_lib, ground, dr, seed, start)
 
 
@@ -1211,9 +1214,9 @@ def bench(args: Bench) -> dict[str, float]:
     def dr_reset_share(body_per_episode: bool) -> float:
         """The share of step time the DR writes of those resets take: the same loop with and without them."""
         env.dr.body_psi_per_episode = body_per_episode
-        with_writes = rate(reset_one_then_step, args.steps // 2)
+        with_writes = rate(reset_one_then_step, max(1, args.steps // 2))
         env._write_psi = lambda ids, body: None
-        without = rate(reset_one_then_step, args.steps // 2)
+        without = rate(reset_one_then_step, max(1, args.steps // 2))
         del env._write_psi
         env.dr.body_psi_per_episode = False
         return 100 * (1 - with_writes / without)

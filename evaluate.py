@@ -647,7 +647,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or non-torch file: say which file, keep the cause
         raise InputError(path, f"not a readable torch checkpoint ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:200]})") from e
+                               f"{(str(e).splitlines() or [''])[0][:200]})") from e
     missing = [k for k in CKPT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise InputError(path, f"not a HoRD checkpoint, missing {missing} (expected the dict saved by teacher.py "

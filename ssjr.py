@@ -400,9 +400,6 @@ class InputError(ValueError):
         super().__init__(f"{path}: {problem}")
         self.path, self.problem = str(path), problem
 
-    def __reduce__(self):  # travels between processes (env workers) as itself
-        return type(self), (self.path, self.problem)
-
 
 @dataclass
 class RobotMotion:

@@ -61,9 +61,9 @@ import ssjr
 import teacher
 from envs import SPARSE_STATE_DIM
 from ssjr import InputError
-from teacher import (all_ranks, all_reduce_grads, build_env, check_layout, checkpoint_args, dist, init_distributed,
-                     load_checkpoint, load_weights, rng_states, save_checkpoint, saved_rng, set_rng_states,
-                     setup_device)
+from teacher import (all_ranks, all_reduce_grads, any_rank, broadcast_from_rank0, build_env, check_layout,
+                     checkpoint_args, dist, init_distributed, load_checkpoint, load_weights, rng_states,
+                     save_checkpoint, saved_rng, set_rng_states, setup_device)
 
 
 @dataclass
@@ -240,7 +240,10 @@ def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch
             losses.append(loss.detach())
         epoch_losses.append(torch.stack(losses).mean())
     policy.eval()
-    return torch.stack(epoch_losses).tolist()
+    epoch_losses = torch.stack(epoch_losses)
+    if world > 1:  # the mean over the ranks
+        dist.all_reduce(epoch_losses)
+    return (epoch_losses / world).tolist()
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------------------
@@ -308,7 +311,7 @@ def train(args: Args, env=None) -> pathlib.Path:
 
     own_env = env is None
     if own_env:
-        env = build_env(env_cfg, args.num_envs, device, seed,
+        env = build_env(env_cfg, args.num_envs, device, seed, terrain_seed=args.seed,  # one terrain for all ranks
                         performance_mode=args.performance_mode)  # make_env applies it to Genesis only
     rng = saved_rng(resume, device, rank) if resume is not None else None
     if rng is not None:
@@ -331,6 +334,7 @@ def train(args: Args, env=None) -> pathlib.Path:
         policy.alpha_0.copy_(env.motions.mean_dof_pos)
         if args.hcdr_from_teacher:
             init_hcdr_from_teacher(policy, teacher_agent, args.teacher_ckpt)
+    broadcast_from_rank0(policy, world)
     policy.eval()
 
     from torch.utils.tensorboard import SummaryWriter
@@ -350,7 +354,9 @@ def train(args: Args, env=None) -> pathlib.Path:
                 "rng": finished["rng"]})
 
     stop = {"now": False}
-    previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: save, exit
+    # Ctrl-C, or torchrun's SIGTERM: every rank finishes the iteration, saves and exits
+    previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    first_iteration = iteration
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
     # ALGO LOGIC: storage (the rollout's student inputs and teacher labels)
@@ -364,7 +370,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     start_time, start_step = time.time(), global_step
 
     try:
-        while global_step + per_iteration <= args.total_env_steps and not stop["now"]:
+        while global_step + per_iteration <= args.total_env_steps and not any_rank(stop["now"], world, device):
             iteration += 1
             beta = args.beta * args.beta_decay ** (iteration - 1)
             # per-iteration sums on the device (read once per iteration): action mse, g-mpjpe, teacher-driven steps
@@ -424,13 +430,19 @@ def train(args: Args, env=None) -> pathlib.Path:
                       flush=True)
             if iteration % args.checkpoint_every == 0:
                 checkpoint()
-    finally:  # also on a crash: what was learnt so far is kept (atomically, as always)
-        checkpoint()
+    except BaseException:  # a crash keeps what was learnt since the last checkpoint, unless the weights went bad
+        if finished["iteration"] > first_iteration and all(p.isfinite().all() for p in policy.parameters()):
+            checkpoint()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if writer is not None:
             writer.close()
         if own_env:
             env.close()
-        signal.signal(signal.SIGINT, previous_handler)
+    if finished["iteration"] > first_iteration:
+        checkpoint()
     if rank == 0 and (run_dir / "metrics.jsonl").exists():  # at least one iteration logged
         plot_distillation_curve(run_dir)
         print(f"saved {ckpt_path} and {run_dir / 'distillation_curve.png'}")

@@ -148,12 +148,14 @@ class RunningNorm(nn.Module):
     def update(self, x: torch.Tensor):
         x = x.reshape(-1, *self.mean.shape)
         x = x[torch.isfinite(x).flatten(1).all(-1)]
-        if dist.is_initialized():  # the batch of every rank: all ranks keep the same statistics
-            sums = torch.stack([torch.full_like(self.mean, len(x)), x.sum(0), x.pow(2).sum(0)])
+        if dist.is_initialized():  # the batch of every rank (two passes): all ranks keep the same statistics
+            sums = torch.stack([torch.full_like(self.mean, len(x)), x.sum(0)])
             dist.all_reduce(sums)
             n = int(sums[0].flatten()[0])
             batch_mean = sums[1] / max(n, 1)
-            batch_var = sums[2] / max(n, 1) - batch_mean.pow(2)
+            batch_var = (x - batch_mean).pow(2).sum(0)
+            dist.all_reduce(batch_var)
+            batch_var /= max(n, 1)
         else:
             n, batch_mean, batch_var = len(x), x.mean(0), x.var(0, unbiased=False)
         if n == 0:
@@ -296,7 +298,8 @@ def load_checkpoint(path, kind: str) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
-        raise InputError(path, f"not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        first_line = (str(e).splitlines() or [""])[0][:200]
+        raise InputError(path, f"not a readable checkpoint ({type(e).__name__}: {first_line})")
     if not isinstance(ckpt, dict) or ckpt.get("kind") != kind:
         found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise InputError(path, f"expected a {kind} checkpoint, found {found!r}")
@@ -425,6 +428,22 @@ def all_reduce_grads(params, world: int):
         g.copy_(new.view_as(g))
 
 
+def broadcast_from_rank0(module: nn.Module, world: int):
+    """Every rank starts from rank 0's weights and statistics (ranks are seeded apart)."""
+    if world > 1:
+        for t in module.state_dict().values():
+            dist.broadcast(t, 0)
+
+
+def any_rank(flag: bool, world: int, device) -> bool:
+    """True on every rank if it is true on one (a stop request: all ranks leave the loop at the same iteration)."""
+    if world == 1:
+        return flag
+    t = torch.tensor(float(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t)
+
+
 def all_ranks(x, world: int) -> list:
     """Every rank's `x` (any picklable object), in rank order."""
     if world == 1:
@@ -477,7 +496,7 @@ def main(args: Args):
         print("teacher configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
     print(f"  rank {rank} of {world}: {device_info}")
 
-    env = build_env(env_kwargs(args), args.num_envs, device, seed,
+    env = build_env(env_kwargs(args), args.num_envs, device, seed, terrain_seed=args.seed,  # one terrain for all
                     performance_mode=args.performance_mode)  # make_env applies it to Genesis only
     rng = saved_rng(resume, device, rank) if resume is not None else None
     if rng is not None:
@@ -498,6 +517,7 @@ def main(args: Args):
         if rng is not None:
             set_rng_states(rng, device)
         print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
+    broadcast_from_rank0(agent, world)
 
     from torch.utils.tensorboard import SummaryWriter
     writer = SummaryWriter(run_dir) if rank == 0 else None  # rank 0 alone writes logs and checkpoints
@@ -515,7 +535,9 @@ def main(args: Args):
                 "iteration": finished["iteration"], "world_size": world, "rng": finished["rng"]})
 
     stop = {"now": False}
-    previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish, save, exit
+    # Ctrl-C, or torchrun's SIGTERM: every rank finishes the iteration, saves and exits
+    previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    first_iteration = iteration
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
     # ALGO LOGIC: storage (preallocated rollout buffers)
@@ -529,7 +551,7 @@ def main(args: Args):
     sim_time = 0.0
 
     try:
-        while global_step + per_iteration <= args.total_env_steps and not stop["now"]:
+        while global_step + per_iteration <= args.total_env_steps and not any_rank(stop["now"], world, device):
             iteration += 1
             # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps or episodes
             step_sums = torch.zeros(2 + len(envs.REWARD_COEFFS), device=device)  # gt_err_m, mpjpe_m, reward terms
@@ -651,12 +673,18 @@ def main(args: Args):
                       f"{nan_resets:.0f} | ETA {eta_min:.1f} min", flush=True)
             if iteration % args.checkpoint_every == 0:
                 checkpoint()
-    finally:  # also on a crash: what was learnt so far is kept (atomically, as always)
-        checkpoint()
-        signal.signal(signal.SIGINT, previous_handler)
+    except BaseException:  # a crash keeps what was learnt since the last checkpoint, unless the weights went bad
+        if finished["iteration"] > first_iteration and all(p.isfinite().all() for p in agent.parameters()):
+            checkpoint()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if writer is not None:
             writer.close()
         env.close()
+    if finished["iteration"] > first_iteration:
+        checkpoint()
     if rank == 0 and (run_dir / "metrics.jsonl").exists():
         plot_learning_curve(run_dir)
         print(f"saved {ckpt_path} and {run_dir / 'learning_curve.png'}")

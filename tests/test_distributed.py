@@ -42,12 +42,18 @@ def one_update(agent, rank_obs, batch_obs, world):
     return agent.state_dict()
 
 
+def rank_obs(rank):
+    obs = fake_obs(16, torch.Generator().manual_seed(10 + rank))
+    obs["critic"][:, 0] = 9.81  # a constant feature (gravity without DR): its merged variance must stay >= 0
+    return obs
+
+
 def rank_main(rank, world, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.manual_seed(0)
+    torch.manual_seed(rank)  # ranks are seeded apart, as in teacher.main: rank 0's weights are broadcast
     agent = teacher.Agent(LAYOUT, small_args())
-    state = one_update(agent, fake_obs(16, torch.Generator().manual_seed(10 + rank)),
-                       fake_obs(32, torch.Generator().manual_seed(99)), world)
+    teacher.broadcast_from_rank0(agent, world)
+    state = one_update(agent, rank_obs(rank), fake_obs(32, torch.Generator().manual_seed(99)), world)
     torch.save(state, pathlib.Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -60,12 +66,13 @@ def test_two_ranks_average_gradients_and_merge_normalizer_statistics(tmp_path):
     assert all(torch.equal(r0[k], r1[k]) for k in r0)  # every rank holds the same model
     torch.manual_seed(0)
     single = teacher.Agent(LAYOUT, small_args())
-    both = [fake_obs(16, torch.Generator().manual_seed(10 + r)) for r in (0, 1)]
+    both = [rank_obs(r) for r in (0, 1)]
     ref = one_update(single, {k: torch.cat([b[k] for b in both]) for k in both[0]},
                      fake_obs(32, torch.Generator().manual_seed(99)), 1)
     for k in ref:
         assert torch.allclose(r0[k].float(), ref[k].float(), rtol=1e-4, atol=1e-5), k
     assert r0["actor.norms.proprio.count"] == 1e-4 + 2 * 16 * 5  # both ranks' samples counted
+    assert (r0["critic_norm.var"] >= 0).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
