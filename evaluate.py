@@ -622,19 +622,6 @@ def motion_name(clip: str) -> str:
     return re.sub(r"_seg\d+$", "", clip)
 
 
-def motion_kind(path: pathlib.Path) -> str:
-    """ROBOT (an SSJR packet) or HUMAN_KEYPOINTS (a keypoint command): the file's `kind` (absent = robot, as in
-    ssjr.load_packet); reads that one field only."""
-    try:
-        with np.load(path) as z:
-            kind = str(z["kind"]) if "kind" in z.files else ROBOT
-    except Exception as e:  # not an npz: say which file
-        raise InputError(path, f"not a readable motion file ({type(e).__name__}: {e})") from e
-    if kind not in (ROBOT, HUMAN_KEYPOINTS):
-        raise InputError(path, f"unknown motion kind {kind!r}, expected {ROBOT!r} or {HUMAN_KEYPOINTS!r}")
-    return kind
-
-
 CKPT_KEYS = ("kind", "env_cfg", "obs_layout", "model")
 
 
@@ -847,7 +834,7 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
 def evaluate_seed(env, policy, ckpt: dict, path, label: str, setting: Setting, seed: int, clips: list[str],
                   kinds: list[str], plan, max_steps: int = 0):
     """Restart the setting's env with `seed` (env.reseed), roll the policy and yield (CSV row, recorded episode).
-    clips, kinds: name and motion_kind of each motion file, in the env's clip order."""
+    clips, kinds: name and ssjr.packet_kind of each motion file, in the env's clip order."""
     obs = env.reseed(seed)
     check_obs_layout(env.obs_layout, ckpt["obs_layout"], path)
     warned = False
@@ -886,7 +873,7 @@ def main(args: Args) -> dict:
     settings = [parse_setting(t, train_sim) for t in args.settings]
     motion_paths = resolve_motions(args.motions, args.packet_dir)
     clips = [p.stem for p in motion_paths]
-    kinds = [motion_kind(p) for p in motion_paths]
+    kinds = [ssjr.packet_kind(p) for p in motion_paths]
     unknown = set(args.video_clips) - set(clips) - {motion_name(c) for c in clips}
     if unknown:
         raise InputError("--video-clips", f"{sorted(unknown)} not among the evaluated clips {clips}")

@@ -949,6 +949,18 @@ def save_packet(path: str | os.PathLike, packet: dict) -> pathlib.Path:
     return path
 
 
+def packet_kind(path: str | os.PathLike) -> str:
+    """'robot' (an SSJR packet) or 'human_keypoints' (a keypoint command): the file's `kind` alone (absent: robot)."""
+    try:
+        with np.load(path) as z:
+            kind = str(z["kind"]) if "kind" in z.files else "robot"
+    except Exception as e:  # not an npz: say which file
+        raise InputError(path, f"not a readable motion file ({type(e).__name__}: {e})") from None
+    if kind not in ("robot", "human_keypoints"):
+        raise InputError(path, f"unknown motion kind {kind!r}, expected 'robot' or 'human_keypoints'")
+    return kind
+
+
 def load_packet(path: str | os.PathLike) -> dict:
     """Read a packet: dict of np arrays (float32), with fps a float, text/source/license/kind str, names lists."""
     path = pathlib.Path(path)

@@ -31,6 +31,7 @@ import torch.nn as nn
 import tyro
 
 import envs
+import ssjr
 from hcdr import HCDR
 from ssjr import InputError
 
@@ -369,6 +370,21 @@ def env_kwargs(args) -> dict:
                 start=args.start)
 
 
+def robot_motions(motions: str) -> str | list[str]:
+    """--motions for a teacher, whose reward and observations need the robot's bodies and joints: human keypoint
+    commands in a folder are skipped (and named), leaving the list of the robot motions; a file or folder of nothing
+    else is an error."""
+    paths = envs.resolve_motions(motions)
+    human = [p for p in paths if ssjr.packet_kind(p) == "human_keypoints"]
+    if len(human) == len(paths):
+        raise InputError(motions, "only human keypoint commands: a teacher needs robot motions (SSJR packets of G1 "
+                                  "motion), its reward and observations use the robot's bodies and joints")
+    if human:
+        print(f"skipping {len(human)} human keypoint command file(s) in {motions} (a teacher needs robot motions): "
+              f"{', '.join(p.name for p in human)}")
+    return [str(p) for p in paths if p not in human] if human else motions
+
+
 def build_env(cfg: dict, num_envs: int, device, seed: int, **overrides):
     """The env from a checkpoint's env_kwargs."""
     cfg = {**cfg, **overrides}
@@ -496,7 +512,8 @@ def main(args: Args):
         print("teacher configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
     print(f"  rank {rank} of {world}: {device_info}")
 
-    env = build_env(env_kwargs(args), args.num_envs, device, seed, terrain_seed=args.seed,  # one terrain for all
+    env_cfg = {**env_kwargs(args), "motions": robot_motions(args.motions)}  # what the student distils on, too
+    env = build_env(env_cfg, args.num_envs, device, seed, terrain_seed=args.seed,  # one terrain for all
                     performance_mode=args.performance_mode)  # make_env applies it to Genesis only
     rng = saved_rng(resume, device, rank) if resume is not None else None
     if rng is not None:
@@ -529,7 +546,7 @@ def main(args: Args):
         """The state after the last finished iteration (a crash mid-iteration saves the weights it has)."""
         if rank == 0:
             save_checkpoint(ckpt_path, {
-                "kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_kwargs(args), "obs_layout": layout,
+                "kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
                 "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
                 "critic_opt": critic_opt.state_dict(), "global_step": finished["global_step"],
                 "iteration": finished["iteration"], "world_size": world, "rng": finished["rng"]})

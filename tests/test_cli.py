@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,6 +48,8 @@ def bad_files(tmp_path_factory):
     torch.save({"kind": "teacher", "args": {}, "obs_layout": {}, "model": {}, "env_cfg": {"sim": "genesis"}},
                d / "teacher.pt")
     torch.save({"kind": "teacher", "args": {}, "obs_layout": {}, "model": {}, "env_cfg": {}}, d / "nosim.pt")
+    (d / "keypoints").mkdir()
+    np.savez(d / "keypoints" / "131_01_seg00.npz", kind=np.array("human_keypoints"))
     return d
 
 
@@ -57,6 +60,8 @@ def bad_files(tmp_path_factory):
     (["teacher.py", "--preset", "bogus"], ["--preset", "bogus"]),
     (["teacher.py", "--preset", "cpu", "--motions", "{d}/missing.npz"], ["missing.npz: no such motion"]),
     (["teacher.py", "--preset", "cpu", "--minibatch-size", "999999"], ["--minibatch-size"]),
+    (["teacher.py", "--preset", "cpu", "--motions", "{d}/keypoints"], ["keypoints: only human keypoint commands"]),
+    (["teacher.py", "--preset", "cpu", "--motions", "{d}/keypoints/131_01_seg00.npz"], ["131_01_seg00.npz: only"]),
     (["teacher.py", "--preset", "cpu", "--amp"], ["--amp", "CUDA"]),
     (["envs.py", "bench", "--sim", "mujoco"], ["--sim", "mujoco"]),
     (["hcdr.py", "probe", "--sim", "genesis", "--motions", "{d}/missing.npz"], ["missing.npz: no such motion"]),

@@ -524,15 +524,15 @@ def write_motion(path, kind=None):
     return path
 
 
-def test_motion_kind(tmp_path):
-    assert ev.motion_kind(write_motion(tmp_path / "a.npz", "robot")) == ev.ROBOT
-    assert ev.motion_kind(write_motion(tmp_path / "b.npz")) == ev.ROBOT  # older packets have no kind
-    assert ev.motion_kind(write_motion(tmp_path / "c.npz", "human_keypoints")) == ev.HUMAN_KEYPOINTS
+def test_packet_kind(tmp_path):
+    assert ssjr.packet_kind(write_motion(tmp_path / "a.npz", "robot")) == ev.ROBOT
+    assert ssjr.packet_kind(write_motion(tmp_path / "b.npz")) == ev.ROBOT  # older packets have no kind
+    assert ssjr.packet_kind(write_motion(tmp_path / "c.npz", "human_keypoints")) == ev.HUMAN_KEYPOINTS
     with pytest.raises(ValueError, match="d.npz: unknown motion kind 'smpl'"):
-        ev.motion_kind(write_motion(tmp_path / "d.npz", "smpl"))
+        ssjr.packet_kind(write_motion(tmp_path / "d.npz", "smpl"))
     (tmp_path / "e.npz").write_bytes(b"junk")
     with pytest.raises(ValueError, match="e.npz: not a readable motion file"):
-        ev.motion_kind(tmp_path / "e.npz")
+        ssjr.packet_kind(tmp_path / "e.npz")
 
 
 def test_build_env_uses_the_checkpoint_env_cfg_with_the_setting_overrides(monkeypatch):
@@ -708,7 +708,7 @@ def test_real_rollout_metrics_on_both_engines(tmp_path, sim, handsup_packets, ke
     ckpt = {"kind": "teacher", "env_cfg": {"sim": "isaaclab"}, "obs_layout": {"ref_dof_pos": [29]}}
     setting = ev.parse_setting(f"{sim}+dr", "isaaclab")
     motions = [handsup_packets[0], keypoint_command]
-    clips, kinds = [p.stem for p in motions], [ev.motion_kind(p) for p in motions]
+    clips, kinds = [p.stem for p in motions], [ssjr.packet_kind(p) for p in motions]
     assert kinds == [ev.ROBOT, ev.HUMAN_KEYPOINTS]
     plan = ev.episode_plan(2, len(motions), 1)
     runs = []

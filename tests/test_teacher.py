@@ -173,3 +173,18 @@ def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeyp
     teacher.main(small_args(resume=str(tmp_path / "teacher.pt"), total_env_steps=5 * per_it))
     assert torch.load(tmp_path / "teacher.pt", weights_only=False)["iteration"] == 5
     assert teacher.read_log(tmp_path)["iteration"] == [1, 2, 3, 4, 5]
+
+
+def test_a_teacher_trains_on_robot_motions_only(tmp_path, capsys):
+    """Human keypoint commands (BVH, AMASS) cannot be a teacher's reference: a folder mixing both keeps the robot
+    motions and names the skipped files; a keypoint file or a folder of them alone is an error naming it."""
+    import numpy as np
+    for name, kind in (("walk_seg00.npz", "robot"), ("bvh_seg00.npz", "human_keypoints")):
+        np.savez(tmp_path / name, kind=np.array(kind))
+    assert teacher.robot_motions(str(tmp_path)) == [str(tmp_path / "walk_seg00.npz")]
+    assert "bvh_seg00.npz" in capsys.readouterr().out
+    assert teacher.robot_motions(str(tmp_path / "walk_seg00.npz")) == str(tmp_path / "walk_seg00.npz")
+    (tmp_path / "walk_seg00.npz").unlink()
+    for motions in (tmp_path, tmp_path / "bvh_seg00.npz"):
+        with pytest.raises(ssjr.InputError, match="only human keypoint commands"):
+            teacher.robot_motions(str(motions))
