@@ -164,6 +164,7 @@ def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeyp
     per_it = 8 * 4
     args = small_args(num_envs=8, num_steps=4, minibatch_size=16, total_env_steps=10 * per_it, checkpoint_every=100,
                       run_dir=str(tmp_path), torch_threads=1)
+    monkeypatch.setattr(teacher, "robot_motions", lambda motions: motions)  # no motion files: a FakeEnv plays
     monkeypatch.setattr(teacher, "build_env", lambda *a, **k: FakeEnv(LAYOUT, 8, crash_at=3 * 4 + 2))
     with pytest.raises(RuntimeError, match="the engine died"):
         teacher.main(args)
