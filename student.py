@@ -62,8 +62,8 @@ import teacher
 from envs import SPARSE_STATE_DIM
 from ssjr import InputError
 from teacher import (all_ranks, all_reduce_grads, any_rank, broadcast_from_rank0, build_env, check_layout,
-                     checkpoint_args, dist, init_distributed, load_checkpoint, load_weights, rng_states,
-                     save_checkpoint, saved_rng, set_rng_states, setup_device)
+                     checkpoint_args, dist, init_distributed, load_checkpoint, load_weights, log_scalars,
+                     rng_of_all_ranks, save_checkpoint, saved_rng, set_rng_states, setup_device)
 
 
 @dataclass
@@ -341,7 +341,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     writer = SummaryWriter(run_dir) if rank == 0 else None  # rank 0 alone writes logs and checkpoints
     ckpt_path = run_dir / "student.pt"
     finished = {"global_step": global_step, "iteration": iteration,
-                "rng": all_ranks({**rng_states(device), "env": env.get_rng_state()}, world)}
+                "rng": rng_of_all_ranks(env, device, world)}
 
     def checkpoint():
         """The state after the last finished iteration (a crash mid-iteration saves the weights it has)."""
@@ -417,12 +417,9 @@ def train(args: Args, env=None) -> pathlib.Path:
                        "charts/nan_resets": nan_resets, "losses/dagger_mse_first_epoch": epoch_losses[0],
                        "losses/dagger_mse": epoch_losses[-1]}
             finished.update(global_step=global_step, iteration=iteration,
-                            rng=all_ranks({**rng_states(device), "env": env.get_rng_state()}, world))
+                            rng=rng_of_all_ranks(env, device, world))
             if rank == 0:
-                for k, v in scalars.items():
-                    writer.add_scalar(k, v, global_step)
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
+                log_scalars(writer, run_dir, global_step, iteration, scalars)
                 eta_min = (args.total_env_steps - global_step) / max(sps, 1e-6) / 60
                 print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | "
                       f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | success "

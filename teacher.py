@@ -469,6 +469,19 @@ def all_ranks(x, world: int) -> list:
     return out
 
 
+def rng_of_all_ranks(env, device, world: int) -> list[dict]:
+    """Every rank's learner and env random states, in rank order (a checkpoint holds them all)."""
+    return all_ranks({**rng_states(device), "env": env.get_rng_state()}, world)
+
+
+def log_scalars(writer, run_dir, global_step: int, iteration: int, scalars: dict):
+    """One iteration's scalars to TensorBoard and to metrics.jsonl (rank 0)."""
+    for k, v in scalars.items():
+        writer.add_scalar(k, v, global_step)
+    with open(pathlib.Path(run_dir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
+
+
 def preset_from_argv(argv: list[str]) -> str:
     """The value of `--preset NAME` or `--preset=NAME` ('paper' if absent)."""
     for i, a in enumerate(argv):
@@ -540,7 +553,7 @@ def main(args: Args):
     writer = SummaryWriter(run_dir) if rank == 0 else None  # rank 0 alone writes logs and checkpoints
     ckpt_path = run_dir / "teacher.pt"
     finished = {"global_step": global_step, "iteration": iteration,
-                "rng": all_ranks({**rng_states(device), "env": env.get_rng_state()}, world)}
+                "rng": rng_of_all_ranks(env, device, world)}
 
     def checkpoint():
         """The state after the last finished iteration (a crash mid-iteration saves the weights it has)."""
@@ -677,12 +690,9 @@ def main(args: Args):
                             "losses/actor_lr": actor_opt.param_groups[0]["lr"],
                             **{f"rewards/{k}": v for k, v in zip(envs.REWARD_COEFFS, terms)}})
             finished.update(global_step=global_step, iteration=iteration,
-                            rng=all_ranks({**rng_states(device), "env": env.get_rng_state()}, world))
+                            rng=rng_of_all_ranks(env, device, world))
             if rank == 0:
-                for k, v in scalars.items():
-                    writer.add_scalar(k, v, global_step)
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
+                log_scalars(writer, run_dir, global_step, iteration, scalars)
                 eta_min = (args.total_env_steps - global_step) / max(sps, 1e-6) / 60
                 print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | reward "
                       f"{scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
