@@ -96,7 +96,9 @@ TERMINATION_ERR_M = 0.5  # max global body-position error that ends an episode (
 @dataclass
 class DR:
     """Episode-level domain randomization ranges (paper Table 5): psi is sampled per env at reset, fixed for the
-    episode."""
+    episode. Sensor noise (the paper's "observation noise"): one draw per reading of the sparse state s (joint encoders,
+    IMU) and of the command, carried unchanged through every stack that holds that reading (proprio, student_proprio,
+    history); the last PD target is known exactly and the privileged body states stay clean."""
     delay_steps: tuple[int, int] = (0, 3)
     """control delay, physics steps (inclusive integer range)"""
     mass_scale: tuple[float, float] = (0.9, 1.1)
@@ -117,11 +119,26 @@ class DR:
     """time between pushes"""
     push_vel_mps: float = 0.8
     """largest horizontal root-velocity kick of a push (uniform direction, size U[0, this])"""
+    noise_dof_pos_rad: float = 0.01
+    """sensor noise (gaussian std) of a joint-position reading"""
+    noise_dof_vel_rad_s: float = 0.5
+    """sensor noise of a joint-velocity reading"""
+    noise_ang_vel_rad_s: float = 0.1
+    """sensor noise of the IMU angular velocity"""
+    noise_gravity: float = 0.03
+    """sensor noise of the IMU projected gravity (unit vector)"""
+    noise_keypoint_m: float = 0.01
+    """noise of each SSJR command keypoint (the command is relative to an estimated root pose)"""
     body_psi_per_episode: bool = False
     """redraw the body masses, torso CoM and joint armature/damping/friction at every reset, not once per env at the
     start (Isaac Lab's own tasks: mode 'startup'). On Isaac Lab (Newton) each such write recomputes the model
     constants of every world at the next step (MuJoCo-Warp set_const): at 4096 envs, almost every step. The rest of
     psi is redrawn every episode either way, and psi never changes within an episode."""
+
+    def sensor_std(self) -> torch.Tensor:
+        """Noise std of each field of s [64]: dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
+        return torch.tensor([self.noise_dof_pos_rad] * 29 + [self.noise_dof_vel_rad_s] * 29
+                            + [self.noise_ang_vel_rad_s] * 3 + [self.noise_gravity] * 3)
 
     def __post_init__(self):
         if not 0 <= self.delay_steps[0] <= self.delay_steps[1] <= DECIMATION:
@@ -846,6 +863,7 @@ class TrackingEnv:
         self.substep_tau = torch.zeros(DECIMATION, n, 29, device=dev)  # torques of the last control step
         self.nan_resets = torch.zeros((), dtype=torch.long, device=dev)  # blown-up envs reset so far
         self._fresh = torch.ones(n, dtype=torch.bool, device=dev)  # envs whose observation stacks restart
+        self.sensor_std = dr.sensor_std().to(dev) if dr is not None else None
         self.default_mass = sim.default_body_mass_kg.clone()
         self._write_psi(torch.arange(n, device=dev), body=True)
         self.obs_layout: dict[str, list[int]] = {}
@@ -1044,6 +1062,11 @@ class TrackingEnv:
         root_pos, root_quat = pos[:, 0], quat[:, 0]
         yaw = yaw_rad(root_quat)  # vectors go to the heading frame by rotate_z(v, -yaw)
         ih = z_quat(-yaw)[:, None]  # the inverse heading rotation
+        # the sensor readings s_t (joint encoders, IMU): one noise draw each under DR, shared by every stack below
+        s = self.sparse_state(body, q, qd)
+        if self.sensor_std is not None:
+            s = s + self.sensor_std * torch.randn(s.shape, generator=self.gen, device=dev)
+        q, qd = s[:, :29], s[:, 29:58]
         # privileged proprio at t
         ground = self.terrain.height_at(root_pos[:, :2])
         proprio = torch.cat([
@@ -1052,7 +1075,7 @@ class TrackingEnv:
             rot6d(quat_mul(ih.expand_as(quat), quat)).flatten(1),
             rotate_z(lin, -yaw[:, None]).flatten(1), rotate_z(ang, -yaw[:, None]).flatten(1),
             q, qd, self.last_alpha], -1)
-        sparse = torch.cat([self.sparse_state(body, q, qd), self.last_alpha], -1)
+        sparse = torch.cat([s, self.last_alpha], -1)
         fresh = self._fresh[:, None, None]
         for name, new in (("proprio_buf", proprio), ("sparse_buf", sparse)):
             stack = getattr(self, name)
@@ -1074,7 +1097,10 @@ class TrackingEnv:
             fut["dof_pos"]], -1)
         ref_dof_pos = fut["dof_pos"][:, 0]
         kp_w = ref["body_pos"][:, :self.STUDENT_PAST + self.STUDENT_FUTURE, self.keypoint_ids]
-        keypoints = ssjr.root_relative(kp_w, root_pos[:, None], root_quat[:, None]).flatten(2)
+        keypoints = ssjr.keypoint_command(kp_w, root_pos, root_quat)
+        if self.dr is not None:
+            keypoints = keypoints + self.dr.noise_keypoint_m * torch.randn(keypoints.shape, generator=self.gen,
+                                                                           device=dev)
         # g_t: height scan around the root in the heading frame
         scan_w = rotate_z(torch.nn.functional.pad(self.scan_xy, (0, 1)), yaw[:, None])[..., :2]
         terrain = root_pos[:, 2:3] - self.terrain.height_at(scan_w + root_pos[:, None, :2])

@@ -6,7 +6,7 @@
 
 Settings: `<engine>[+dr][@<terrain>]`, engine = isaaclab | genesis | in_domain | zero_shot (in_domain is the engine
 the first checkpoint was trained on, env_cfg["sim"]; zero_shot the other one), +dr = envs.DR() (paper Table 5,
-pushes included), terrain = flat (default) | smooth_slope | rough_slope. The env of a (checkpoint, setting) is
+pushes and sensor noise on every method's observations included), terrain = flat (default) | smooth_slope | rough_slope. The env of a (checkpoint, setting) is
 make_env(**ckpt["env_cfg"]) with sim, dr, terrain, start="frame0", exclude_test=False set by the setting; it is built
 once (with the first seed) and `env.reseed(seed)` restarts it for every seed (so the rough-slope heightfield noise is
 the first seed's; psi, pushes and spawn tiles follow each seed, from one generator that every reset and push draws
@@ -421,9 +421,14 @@ def _counts(rows: list[dict]) -> str:
 
 
 def push_note() -> str:
-    lo, hi = envs.DR().push_interval_s
-    return (f"Pushes (+DR only): a root-velocity kick of up to {envs.DR().push_vel_mps} m/s every U[{lo:g}, {hi:g}] s "
-            f"of episode time; episodes shorter than {lo:g} s are never pushed.\n\n")
+    dr = envs.DR()
+    lo, hi = dr.push_interval_s
+    return (f"+DR settings: episode-level dynamics psi (envs.DR), the same for every checkpoint, and sensor noise on "
+            f"every method's observations (gaussian, one draw per reading: joint pos {dr.noise_dof_pos_rad} rad, joint "
+            f"vel {dr.noise_dof_vel_rad_s} rad/s, IMU angular velocity {dr.noise_ang_vel_rad_s} rad/s, gravity "
+            f"{dr.noise_gravity}, command keypoints {dr.noise_keypoint_m} m). Pushes: a root-velocity kick of up to "
+            f"{dr.push_vel_mps} m/s every U[{lo:g}, {hi:g}] s of episode time; episodes shorter than {lo:g} s are never "
+            f"pushed.\n\n")
 
 
 def report_markdown(rows: list[dict], labels: list[str], settings: list["Setting"], alpha: float,

@@ -367,25 +367,17 @@ class G1Kinematics:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 4. SSJR command Y_t: the sparse keypoints of the lookahead window, expressed in the heading-aligned root frame of the
-#    command at time t (so the pelvis keypoints of later frames say where the body is going).
-def keypoint_command(window_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> torch.Tensor:
-    """Y_t from world keypoints of a window [...,H,J,3] and the command root at t ([...,3], [...,4]) -> [...,H,J*3]."""
-    rel = root_relative(window_w.flatten(-3, -2), root_pos_w, root_quat_w)
-    return rel.reshape(window_w.shape[:-2] + (-1,))
-
-
-def keypoint_window(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor,
-                    t: torch.Tensor, offsets: tuple[int, ...] = tuple(range(-7, 3)),
-                    first: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
-    """Gather Y_t for frames t [N] of a motion (or of clips stored back to back: first/last [N] are each clip's frame
-    range; frames outside are clamped). keypoints_w [T,J,3], root [T,3]/[T,4] -> [N, len(offsets), J*3].
-    Default offsets: the student's 10 steps = 8 past/present + 2 lookahead."""
-    first = torch.zeros_like(t) if first is None else first
-    last = torch.full_like(t, keypoints_w.shape[0] - 1) if last is None else last
-    idx = t[:, None] + torch.as_tensor(offsets, device=t.device)[None, :]
-    idx = torch.maximum(torch.minimum(idx, last[:, None]), first[:, None])
-    return keypoint_command(keypoints_w[idx], root_pos_w[t], root_quat_w[t])
+# 4. SSJR command Y_t, the student's motion input, and the one place it is computed (env, evaluate, ONNX export):
+#    the command's sparse keypoints over the window t-7..t+2 in the heading frame of the ROBOT's root at t. Relative
+#    to the robot (not to the command's own root), the command tells the student where the motion is relative to
+#    where it stands, so root drift is observable and corrected; the price is that deployment needs a root pose
+#    estimate (position from odometry or mocap, yaw from the IMU), in the same world frame as the command.
+def keypoint_command(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> torch.Tensor:
+    """Y_t [...,H,J*3] (metres) from the command's world keypoints [...,H,J,3] (KEYPOINT_NAMES order, z up) and the
+    robot's root pose at t (pelvis position [...,3], quaternion wxyz [...,4]; only its yaw is used): each keypoint
+    minus the root position, rotated by -yaw about z."""
+    rel = root_relative(keypoints_w.flatten(-3, -2), root_pos_w, root_quat_w)
+    return rel.reshape(keypoints_w.shape[:-2] + (-1,))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

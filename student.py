@@ -9,8 +9,8 @@
 Student. alpha_2 = f2(m_t, s_sparse, g_t, Y_sparse) sees only what the robot has: s_sparse = `student_proprio` (joint
 positions and velocities, IMU angular velocity and projected gravity, last PD target; steps t-7..t), the terrain context
 g_t, the SSJR sparse keypoint command Y_sparse = `student_keypoints` (root-relative keypoints at t-7..t+2: 8 past + 2
-future steps) and m_t, its own HCDR token over the (s, alpha) history H_t. The backbone is the teacher's
-(teacher.TokenPolicy, same sizes in the paper preset): one token per proprio step and per keypoint step, a terrain
+future steps; ssjr.keypoint_command) and m_t, the HCDR token over the (s, alpha) history H_t. The backbone is the teacher's
+(teacher.TokenPolicy, the teacher's sizes unless overridden): one token per proprio step and per keypoint step, a terrain
 token, the HCDR token, a transformer encoder, token 0 (the current sparse state) -> MLP head. The student cannot see
 the reference joint positions the teacher's residual action is centred on, so it outputs the absolute PD target
 alpha.
@@ -26,13 +26,11 @@ Choices where the paper is silent:
   joint position of its training motions (the motion library's average pose). An untrained student then holds the
   clips' average (standing) pose instead of all joints at 0 rad, and the first labels come from upright states. alpha_0
   is a buffer of the model: saved in checkpoints and folded into the ONNX graph.
-- HCDR: the student has its own HCDR module (hcdr.HCDR inside its TokenPolicy) over the same history H_t, trained by the
-  DAgger loss. --hcdr-from-teacher starts it (and its history normalizer) from the teacher's: the teacher's dynamics
-  features are a warm start; this needs the same HCDR sizes and d_model as the teacher.
-- Observation noise (training only; labels come from clean privileged observations): gaussian, per field, on the
-  sensor parts of student_proprio and of the HCDR history (joint pos 0.01 rad, joint vel 0.5 rad/s, angular velocity
-  0.1 rad/s, projected gravity 0.03; none on the last PD target, which the controller knows exactly) and on
-  student_keypoints (0.01 m: the command is expressed relative to an estimated root pose). --noise-scale scales all.
+- HCDR (paper: one shared module, the student "uses the same temporal memory embedding m_t"): by default the student's
+  m_t is the teacher's HCDR (and history normalizer), frozen, over the same history H_t. --hcdr finetune trains it on
+  with the DAgger loss, --hcdr scratch gives the student its own (the ablation), --hcdr none none at all.
+- Observation noise: the env's, part of its DR (envs.DR: one draw per sensor reading, carried through the stacks and
+  the history); the student and its teacher read the same noisy readings, the teacher also its clean privileged ones.
 - The env: the teacher checkpoint fixes it (make_env kwargs: observation layout, gains, DR, terrain). The student trains
   on the teacher's engine unless --sim says otherwise, on the teacher's motions unless --motions says otherwise; the
   observations the teacher's actor reads must have the layout it was trained on (an error naming the file
@@ -50,6 +48,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -59,7 +58,6 @@ import tyro
 import envs
 import ssjr
 import teacher
-from envs import SPARSE_STATE_DIM
 from ssjr import InputError
 from teacher import (all_ranks, all_reduce_grads, any_rank, broadcast_from_rank0, build_env, check_layout,
                      checkpoint_args, dist, init_distributed, load_checkpoint, load_weights, log_scalars,
@@ -86,10 +84,9 @@ class Args:
     """engine to distil on: isaaclab | genesis ('' = the teacher's)"""
     motions: str = ""
     """SSJR packet folder or file ('' = the teacher's motions)"""
-    no_hcdr: bool = False
-    """the 'w/o HCDR' ablation: no history token in the student"""
-    hcdr_from_teacher: bool = False
-    """initialize the student's HCDR (and its history normalizer) from the teacher's"""
+    hcdr: Literal["teacher", "finetune", "scratch", "none"] = "teacher"
+    """m_t of the student: the teacher's HCDR, frozen (the paper's shared module) | the teacher's, trained on |
+    its own from scratch (ablation) | none (the 'w/o HCDR' ablation)"""
     num_envs: int = 256
     """parallel environments per rank (torchrun: each process runs this many; a plain run is one rank)"""
     performance_mode: bool = False
@@ -110,35 +107,23 @@ class Args:
     """beta_0: probability that the executed action is the teacher's (0: the student drives from the start)"""
     beta_decay: float = 1.0
     """beta of iteration i = beta_0 * beta_decay^(i-1)"""
-    noise_scale: float = 1.0
-    """multiplies every observation-noise std below (0: no noise)"""
-    noise_dof_pos_rad: float = 0.01
-    """std of the noise on joint positions (student_proprio, history)"""
-    noise_dof_vel_rad_s: float = 0.5
-    """std of the noise on joint velocities"""
-    noise_ang_vel_rad_s: float = 0.1
-    """std of the noise on the root angular velocity (IMU)"""
-    noise_gravity: float = 0.03
-    """std of the noise on the projected gravity (unit vector)"""
-    noise_keypoint_m: float = 0.01
-    """std of the noise on the SSJR keypoint command"""
-    d_model: int = 512
-    """transformer width"""
-    num_layers: int = 6
+    d_model: int | None = None
+    """transformer width (None: the teacher's, as all sizes below: the paper's student has the teacher's backbone)"""
+    num_layers: int | None = None
     """transformer encoder layers"""
-    num_heads: int = 8
+    num_heads: int | None = None
     """attention heads"""
-    ff_dim: int = 1536
+    ff_dim: int | None = None
     """transformer feed-forward width"""
-    head_dim: int = 1024
+    head_dim: int | None = None
     """action head MLP width (3 layers)"""
-    terrain_dim: int = 256
+    terrain_dim: int | None = None
     """terrain encoder MLP width (2 layers)"""
-    hcdr_queries: int = 4
+    hcdr_queries: int | None = None
     """HCDR learnable query tokens N"""
-    hcdr_dim: int = 128
+    hcdr_dim: int | None = None
     """HCDR token size d_m"""
-    hcdr_layers: int = 2
+    hcdr_layers: int | None = None
     """HCDR Q-Former layers"""
     checkpoint_every: int = 50
     """iterations between checkpoints"""
@@ -151,11 +136,11 @@ class Args:
 PRESETS = {
     "paper": Args(),
     "cpu": Args(preset="cpu", device="cpu", num_envs=16, total_env_steps=100_000, num_steps=24,
-                update_epochs=6, minibatch_size=128, lr=3e-4, d_model=64, num_layers=2, num_heads=4, ff_dim=128,
-                head_dim=256, terrain_dim=64, hcdr_queries=4, hcdr_dim=32, hcdr_layers=1, checkpoint_every=20,
-                torch_threads=1),
+                update_epochs=6, minibatch_size=128, lr=3e-4, checkpoint_every=20, torch_threads=1),
 }
-# The deployable inputs, in the order of the ONNX graph's inputs.
+MODEL_SIZES = ("d_model", "num_layers", "num_heads", "ff_dim", "head_dim", "terrain_dim", "hcdr_queries", "hcdr_dim",
+               "hcdr_layers")  # None in Args: the teacher checkpoint's value
+# The student's inputs (env observation keys).
 STUDENT_OBS = ("student_proprio", "student_keypoints", "terrain", "history", "history_mask")
 # What the teacher's actor reads to label a state (its critic's observation plays no part in distillation).
 TEACHER_ACTOR_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask")
@@ -166,7 +151,8 @@ class StudentPolicy(nn.Module):
 
     def __init__(self, layout: dict, args: Args):
         super().__init__()
-        self.actor = teacher.TokenPolicy(layout, ("student_proprio", "student_keypoints"), args, hcdr=not args.no_hcdr)
+        self.actor = teacher.TokenPolicy(layout, ("student_proprio", "student_keypoints"), args,
+                                         hcdr=args.hcdr != "none")
         self.register_buffer("alpha_0", torch.zeros(29))  # nominal pose (see the module docstring)
 
     def forward(self, obs: dict) -> torch.Tensor:
@@ -178,44 +164,24 @@ class StudentPolicy(nn.Module):
         return self(obs)
 
 
-def init_hcdr_from_teacher(policy: StudentPolicy, teacher_agent, path):
-    """Copy the teacher's HCDR and history normalizer into the student (same sizes required)."""
+def share_teacher_hcdr(policy: StudentPolicy, teacher_agent, path, frozen: bool):
+    """The student's HCDR (and its history normalizer) := the teacher's; frozen: not trained (m_t is the teacher's)."""
     src, dst = teacher_agent.actor, policy.actor
-    if src.hcdr is None or dst.hcdr is None:
-        raise InputError(path, "--hcdr-from-teacher needs an HCDR in both the teacher and the student")
+    if src.hcdr is None:
+        raise InputError(path, "the teacher has no HCDR to share: use the student's --hcdr scratch or none")
     mine, theirs = dst.hcdr.state_dict(), src.hcdr.state_dict()
-    if set(mine) != set(theirs):
-        raise InputError(path, f"--hcdr-from-teacher: the teacher's HCDR has another structure ({len(theirs)} "
-                               f"tensors vs {len(mine)}); use the teacher's --hcdr-layers")
-    bad = [k for k in mine if mine[k].shape != theirs[k].shape]
-    if bad:
-        raise InputError(path, f"--hcdr-from-teacher: the teacher's HCDR has other sizes ({bad[0]}: "
-                               f"{list(theirs[bad[0]].shape)} vs {list(mine[bad[0]].shape)}); use the teacher's "
-                               f"--hcdr-* and --d-model")
+    if set(mine) != set(theirs) or any(mine[k].shape != theirs[k].shape for k in mine):
+        raise InputError(path, "the teacher's HCDR has other sizes than the student's: leave --hcdr-* and --d-model "
+                               "at their defaults (the teacher's)")
     dst.hcdr.load_state_dict(theirs)
     dst.history_norm.load_state_dict(src.history_norm.state_dict())
+    freeze_hcdr(policy, frozen)
 
 
-# --- observation noise (training only) ------------------------------------------------------------------------------
-def state_noise_std(args: Args, state_dim: int) -> torch.Tensor:
-    """Per-field std of one (s, alpha) entry: s = dof pos (29), dof vel (29), root ang vel (3), gravity (3); alpha 0."""
-    if state_dim != SPARSE_STATE_DIM:
-        raise ValueError(f"sparse state has {state_dim} dims, the noise fields assume {SPARSE_STATE_DIM}")
-    std = torch.cat([torch.full((29,), args.noise_dof_pos_rad), torch.full((29,), args.noise_dof_vel_rad_s),
-                     torch.full((3,), args.noise_ang_vel_rad_s), torch.full((3,), args.noise_gravity),
-                     torch.zeros(29)])
-    return args.noise_scale * std
-
-
-def noisy(obs: dict, state_std: torch.Tensor, keypoint_std: float) -> dict:
-    """The student's inputs with sensor noise (a new dict; the teacher keeps the clean ones). Every stacked entry gets
-    fresh noise at every step, so a past state in both student_proprio and history carries two independent draws;
-    a real sensor's reading keeps its one error."""
-    out = {k: obs[k] for k in STUDENT_OBS}
-    for k in ("student_proprio", "history"):
-        out[k] = obs[k] + torch.randn_like(obs[k]) * state_std
-    out["student_keypoints"] = obs["student_keypoints"] + keypoint_std * torch.randn_like(obs["student_keypoints"])
-    return out
+def freeze_hcdr(policy: StudentPolicy, frozen: bool):
+    """A frozen HCDR keeps its weights and its history normalizer (TokenPolicy.update_norms skips it)."""
+    policy.actor.hcdr.requires_grad_(not frozen)
+    policy.actor.history_frozen = frozen
 
 
 def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch.Tensor, args: Args,
@@ -296,6 +262,7 @@ def train(args: Args, env=None) -> pathlib.Path:
                                    resume=args.resume, run_dir=str(pathlib.Path(args.resume).parent),  # its folder
                                    device=args.device, amp=args.amp)
     teacher_agent, tckpt = load_teacher(args.teacher_ckpt, device)
+    args = dataclasses.replace(args, **{k: tckpt["args"][k] for k in MODEL_SIZES if getattr(args, k) is None})
     if resume is not None and resume["teacher"]["global_step"] != tckpt["global_step"]:
         raise InputError(args.resume, f"distilled from {args.teacher_ckpt} at teacher step "
                                       f"{resume['teacher']['global_step']:,}, but that file now holds step "
@@ -320,7 +287,10 @@ def train(args: Args, env=None) -> pathlib.Path:
     layout = env.obs_layout
     check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
     policy = StudentPolicy(layout, args).to(device)
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=1e-5)
+    if args.hcdr == "teacher":
+        freeze_hcdr(policy, True)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=args.lr, eps=1e-5)
     global_step, iteration = 0, 0
     if resume is not None:
         check_layout(args.resume, resume["obs_layout"], layout, STUDENT_OBS)
@@ -332,8 +302,8 @@ def train(args: Args, env=None) -> pathlib.Path:
         print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
     else:
         policy.alpha_0.copy_(env.motions.mean_dof_pos)
-        if args.hcdr_from_teacher:
-            init_hcdr_from_teacher(policy, teacher_agent, args.teacher_ckpt)
+        if args.hcdr in ("teacher", "finetune"):
+            share_teacher_hcdr(policy, teacher_agent, args.teacher_ckpt, frozen=args.hcdr == "teacher")
     broadcast_from_rank0(policy, world)
     policy.eval()
 
@@ -363,8 +333,6 @@ def train(args: Args, env=None) -> pathlib.Path:
     n, T = args.num_envs, args.num_steps
     buf_obs = {k: torch.zeros((T, n, *layout[k]), dtype=obs[k].dtype, device=device) for k in STUDENT_OBS}
     labels = torch.zeros(T, n, 29, device=device)
-    state_std = state_noise_std(args, layout["student_proprio"][-1] - 29).to(device)
-    keypoint_std = args.noise_scale * args.noise_keypoint_m
     ep_len = torch.zeros(n, device=device)
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
     start_time, start_step = time.time(), global_step
@@ -377,13 +345,12 @@ def train(args: Args, env=None) -> pathlib.Path:
             step_sums = torch.zeros(3, device=device)
             episode_sums = torch.zeros(3, device=device)  # episodes, length, successes
             for step in range(T):
-                student_obs = noisy(obs, state_std, keypoint_std)
                 with torch.no_grad(), amp():
-                    policy.actor.update_norms(student_obs)
-                    alpha_2 = policy(student_obs)
-                    alpha_1 = teacher_agent.act(obs)  # DAgger label of the visited state (privileged, clean)
+                    policy.actor.update_norms(obs)
+                    alpha_2 = policy(obs)
+                    alpha_1 = teacher_agent.act(obs)  # DAgger label of the visited state (privileged observations)
                 for k in STUDENT_OBS:
-                    buf_obs[k][step] = student_obs[k]
+                    buf_obs[k][step] = obs[k]
                 labels[step] = alpha_1
                 use_teacher = torch.rand(n, device=device) < beta
                 obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, alpha_2))
@@ -476,27 +443,53 @@ class Export:
     """ONNX opset"""
 
 
+# What a deployment feeds the ONNX graph, per input (also written into its metadata). Joint order: ssjr.DOF_NAMES;
+# keypoint order: ssjr.KEYPOINT_NAMES; stacks oldest first; control at 50 Hz (one row per control step).
+DEPLOY_INPUTS = {
+    "student_proprio": "[N, 8, 93] steps t-7..t: joint pos (29, rad), joint vel (29, rad/s), IMU angular velocity in "
+                       "the pelvis frame (3, rad/s), gravity direction in the pelvis frame (3, unit), the PD target "
+                       "alpha sent in the step before (29, rad)",
+    "keypoints_w": "[N, 10, J, 3] the command's keypoints at t-7..t+2 (m, world frame, z up), 30 fps SSJR packets "
+                   "resampled to 50 Hz",
+    "root_pos_w": "[N, 3] the robot's pelvis position at t (m), estimated in the command's world frame",
+    "root_quat_w": "[N, 4] the robot's pelvis orientation at t (wxyz; only its yaw is used), same frame",
+    "terrain": "[N, 121] pelvis height above the ground on an 11x11 grid, 0.1 m apart, around the pelvis in its heading "
+               "frame (m; flat ground: the pelvis height everywhere)",
+    "history": "[N, 16, 93] H_t: the last 16 (state, PD target) pairs, each the first 64 numbers of a student_proprio "
+               "row and the alpha then chosen",
+    "history_mask": "[N, 16] bool, True where the history entry exists (after the episode start)",
+}
+
+
 class OnnxPolicy(nn.Module):
-    """The student with positional inputs (STUDENT_OBS order) for the ONNX graph."""
+    """The student with positional inputs (DEPLOY_INPUTS order); the SSJR command is computed inside the graph by
+    ssjr.keypoint_command, the same function the env trains with. Outputs alpha and the command it read."""
 
     def __init__(self, policy: StudentPolicy):
         super().__init__()
         self.policy = policy
 
-    def forward(self, student_proprio, student_keypoints, terrain, history, history_mask):
-        return self.policy({"student_proprio": student_proprio, "student_keypoints": student_keypoints,
-                            "terrain": terrain, "history": history, "history_mask": history_mask})
+    def forward(self, student_proprio, keypoints_w, root_pos_w, root_quat_w, terrain, history, history_mask):
+        y = ssjr.keypoint_command(keypoints_w, root_pos_w, root_quat_w)
+        return self.policy({"student_proprio": student_proprio, "student_keypoints": y, "terrain": terrain,
+                            "history": history, "history_mask": history_mask}), y
 
 
 def export(args: Export) -> pathlib.Path:
-    """Write the ONNX policy (inputs STUDENT_OBS with a dynamic batch axis, output alpha [N, 29] rad) with the
-    observation layout and the controller facts in its metadata. Uses the TorchScript exporter (dynamo=False: the
-    dynamo exporter needs onnxscript) with the fused transformer fast path off, which it cannot export."""
+    """Write the ONNX policy (inputs DEPLOY_INPUTS with a dynamic batch axis; outputs alpha [N, 29] rad and
+    student_keypoints) with the deployment contract, the observation layout and the controller facts in its metadata.
+    Uses the TorchScript exporter (dynamo=False: the dynamo exporter needs onnxscript) with the fused transformer fast
+    path off, which it cannot export."""
     import onnx
     policy, ckpt = load_policy(args.ckpt, "cpu")
     layout = ckpt["obs_layout"]
-    inputs = tuple(torch.zeros(2, *layout[k], dtype=torch.bool if k == "history_mask" else torch.float32)
-                   for k in STUDENT_OBS)
+    steps, j3 = layout["student_keypoints"]
+    shapes = {"student_proprio": layout["student_proprio"], "keypoints_w": [steps, j3 // 3, 3], "root_pos_w": [3],
+              "root_quat_w": [1.0, 0, 0, 0], "terrain": layout["terrain"], "history": layout["history"],
+              "history_mask": layout["history_mask"]}
+    inputs = tuple(torch.tensor([v] * 2) if k == "root_quat_w" else
+                   torch.zeros(2, *v, dtype=torch.bool if k == "history_mask" else torch.float32)
+                   for k, v in shapes.items())
     out = pathlib.Path(args.onnx)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp.onnx")
@@ -506,15 +499,16 @@ def export(args: Export) -> pathlib.Path:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # TracerWarning / constant-folding notes; parity is tested
             torch.onnx.export(OnnxPolicy(policy).eval(), inputs, str(tmp), dynamo=False, opset_version=args.opset,
-                              input_names=list(STUDENT_OBS), output_names=["alpha"],
-                              dynamic_axes={k: {0: "batch"} for k in (*STUDENT_OBS, "alpha")})
+                              input_names=list(DEPLOY_INPUTS), output_names=["alpha", "student_keypoints"],
+                              dynamic_axes={k: {0: "batch"} for k in (*DEPLOY_INPUTS, "alpha", "student_keypoints")})
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
     model = onnx.load(str(tmp))
-    names = [i.name for i in model.graph.input]  # the history inputs are pruned from a --no-hcdr student
+    names = [i.name for i in model.graph.input]  # the history inputs are pruned from an --hcdr none student
     kp, kd, limit = envs.joint_table()
-    meta = {"kind": "hord_student", "obs_layout": {k: layout[k] for k in names}, "inputs": names,
-            "output": "alpha: absolute PD targets [N, 29] rad",
+    meta = {"kind": "hord_student", "inputs": {k: DEPLOY_INPUTS[k] for k in names},
+            "output": "alpha: absolute PD targets [N, 29] rad; tau = kp (alpha - q) - kd qdot at 200 Hz, clamped to "
+                      "effort_limit_nm; student_keypoints: the SSJR command Y_t the policy read",
             "dof_names": list(ssjr.DOF_NAMES), "keypoint_names": list(ssjr.KEYPOINT_NAMES),
             "control_dt_s": envs.CONTROL_DT_S, "kp": kp.tolist(), "kd": kd.tolist(), "effort_limit_nm": limit.tolist(),
             "env_cfg": ckpt["env_cfg"], "global_step": ckpt["global_step"], "source_ckpt": str(args.ckpt)}
@@ -522,7 +516,7 @@ def export(args: Export) -> pathlib.Path:
         model.metadata_props.add(key=k, value=json.dumps(v))
     onnx.save(model, str(tmp))
     tmp.replace(out)
-    print(f"wrote {out} (inputs {meta['inputs']}, output alpha [N, 29])")
+    print(f"wrote {out} (inputs {names}, outputs alpha [N, 29], student_keypoints)")
     return out
 
 

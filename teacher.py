@@ -199,6 +199,7 @@ class TokenPolicy(nn.Module):
         self.hcdr = HCDR(hist_dim - 29, 29, layout["history"][0], args.hcdr_queries, args.hcdr_dim,
                          args.hcdr_layers, max(1, args.hcdr_dim // 32), out_dim=d) if hcdr else None
         self.history_norm = RunningNorm(hist_dim)
+        self.history_frozen = False  # a student's shared, frozen HCDR keeps the teacher's history statistics
         n_tokens = sum(layout[k][0] for k in token_obs) + 1 + int(hcdr)
         self.pos = nn.Parameter(0.02 * torch.randn(n_tokens, d))
         layer = nn.TransformerEncoderLayer(d, args.num_heads, args.ff_dim, dropout=0.0, activation="relu",
@@ -211,7 +212,8 @@ class TokenPolicy(nn.Module):
     def update_norms(self, obs):
         for k, norm in self.norms.items():
             norm.update(obs[k])
-        self.history_norm.update(obs["history"][obs["history_mask"]])
+        if not self.history_frozen:
+            self.history_norm.update(obs["history"][obs["history_mask"]])
 
     def forward(self, obs) -> torch.Tensor:
         tokens = [self.embed[k](self.norms[k](obs[k])) for k in self.token_obs]

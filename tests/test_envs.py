@@ -296,6 +296,25 @@ def test_resetting_some_envs_leaves_the_others_observations_alone(env):
     assert torch.equal(obs["proprio"][0, 0], obs["proprio"][0, -1])  # a fresh stack repeats its first frame
 
 
+def test_sensor_noise_is_one_draw_per_reading_carried_through_the_stacks(env):
+    """Under DR every reading of s (encoders, IMU) gets one noise draw, and every stack holding it holds the same
+    numbers: student_proprio's rows, the history's (s, alpha) pairs and the teacher's joint fields."""
+    prev = env.reset()
+    for _ in range(3):
+        obs, _, done, _ = env.step(prev["ref_dof_pos"])
+        assert not done.any()
+        reading = prev["student_proprio"][:, -1, :envs.SPARSE_STATE_DIM]
+        assert torch.equal(obs["student_proprio"][:, -2, :envs.SPARSE_STATE_DIM], reading)
+        assert torch.equal(obs["history"][:, -1, :envs.SPARSE_STATE_DIM], reading)
+        assert torch.equal(obs["proprio"][:, -1, -87:-29], obs["student_proprio"][:, -1, :58])  # q, qd readings
+        prev = obs
+    q, qd = env.sim.dof_state()
+    err = obs["student_proprio"][:, -1, :envs.SPARSE_STATE_DIM] - env.sparse_state(env.sim.body_state(), q, qd)
+    for field, std in ((slice(0, 29), env.dr.noise_dof_pos_rad), (slice(29, 58), env.dr.noise_dof_vel_rad_s)):
+        assert 0.7 * std < err[:, field].std() < 1.3 * std
+    assert torch.equal(obs["student_proprio"][:, -1, 64:], env.last_alpha)  # the PD target is known exactly
+
+
 def test_motion_lib_tick_table_matches_the_packet_frames(train_packet):
     """The 50 Hz tick table: a tick on a 30 fps frame (every 5th) is that frame; a tick between two frames is their
     lerp (positions) / slerp (rotations); ticks clamp to the clip; two clips are indexed apart."""

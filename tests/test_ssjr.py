@@ -112,7 +112,7 @@ def test_axis_angle_rotvec_slerp_yaw_angle_rot6d():
     assert torch.allclose(ssjr.rot6d(q0), torch.cat((m[..., :, 0], m[..., :, 1]), -1))
 
 
-def test_root_relative_is_heading_frame_and_window_clamps():
+def test_root_relative_is_heading_frame_and_the_command_uses_it():
     pts = torch.randn(7, 4, 3, dtype=torch.float64)
     root_pos = torch.randn(7, 3, dtype=torch.float64)
     root_quat = rand_quat(7, seed=5)
@@ -126,13 +126,10 @@ def test_root_relative_is_heading_frame_and_window_clamps():
     assert torch.allclose(moved, rel, atol=1e-9)
     assert torch.allclose(ssjr.root_relative(pts, root_pos, ssjr.yaw_quat(root_quat)), rel, atol=1e-9)
     assert torch.allclose(rel[..., 2], pts[..., 2] - root_pos[:, None, 2])  # z stays world up
-    # Y_t over a window: clamped at the clip ends, expressed in the root frame at t
-    t = torch.tensor([0, 6])
-    y = ssjr.keypoint_window(pts, root_pos, root_quat, t, offsets=(-1, 0, 2))
-    assert y.shape == (2, 3, 12)
-    assert torch.allclose(y[0, 0], ssjr.root_relative(pts[0], root_pos[0], root_quat[0]).reshape(-1))  # clamped
-    assert torch.allclose(y[1, 2], ssjr.root_relative(pts[6], root_pos[6], root_quat[6]).reshape(-1))
-    assert torch.allclose(y[1, 0], ssjr.root_relative(pts[5], root_pos[6], root_quat[6]).reshape(-1))
+    # Y_t: every step of the window [H, J, 3] in the frame of the one root pose at t
+    y = ssjr.keypoint_command(pts[:3], root_pos[0], root_quat[0])
+    assert y.shape == (3, 12)
+    assert torch.allclose(y[2], ssjr.root_relative(pts[2], root_pos[0], root_quat[0]).reshape(-1))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""student.py: the DAgger regression, observation noise, checkpoints, the teacher checks and the ONNX export on
+"""student.py: the DAgger regression, the shared HCDR, checkpoints, the teacher checks and the ONNX export on
 synthetic observations (fast), and, marked slow, a short distillation on one real clip with one shared Genesis env."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ J = len(ssjr.KEYPOINT_NAMES)
 LAYOUT = {"proprio": [5, 535], "future": [8, 569], "ref_dof_pos": [29], "terrain": [121], "history": [16, 93],
           "history_mask": [16], "student_proprio": [8, 93], "student_keypoints": [10, 3 * J],
           "critic": [535 + 8 * 569 + 121 + len(envs.PSI_KEYS)]}  # the envs.py observation table
-CPU = student.PRESETS["cpu"]
 TEACHER_CPU = teacher.PRESETS["cpu"]
+CPU = dataclasses.replace(student.PRESETS["cpu"], **{k: getattr(TEACHER_CPU, k) for k in student.MODEL_SIZES})
 
 
 def random_obs(n: int, seed: int = 0) -> dict:
@@ -88,25 +88,6 @@ def test_dagger_loss_decreases_on_a_fixed_batch():
     assert not policy.training  # back in eval mode for the next rollout
 
 
-def test_noise_touches_only_the_student_sensor_fields():
-    obs = random_obs(4000)
-    clean = {k: v.clone() for k, v in obs.items()}
-    std = student.state_noise_std(CPU, 64)
-    out = student.noisy(obs, std, 0.01)
-    assert set(out) == set(student.STUDENT_OBS)
-    assert all(torch.equal(obs[k], clean[k]) for k in obs)  # the teacher's observations stay clean
-    d = out["student_proprio"] - obs["student_proprio"]
-    assert d[..., :29].std().item() == pytest.approx(0.01, rel=0.05)      # joint positions
-    assert d[..., 29:58].std().item() == pytest.approx(0.5, rel=0.05)     # joint velocities
-    assert torch.equal(d[..., 64:], torch.zeros_like(d[..., 64:]))        # the last PD target is known exactly
-    assert (out["history"] - obs["history"])[..., :29].std().item() == pytest.approx(0.01, rel=0.05)
-    assert (out["student_keypoints"] - obs["student_keypoints"]).std().item() == pytest.approx(0.01, rel=0.05)
-    assert torch.equal(out["history_mask"], obs["history_mask"]) and torch.equal(out["terrain"], obs["terrain"])
-    assert student.state_noise_std(dataclasses.replace(CPU, noise_scale=0.0), 64).abs().sum() == 0
-    with pytest.raises(ValueError, match="sparse state"):
-        student.state_noise_std(CPU, 60)
-
-
 def test_checkpoint_round_trip(tmp_path):
     path, policy = make_student_ckpt(tmp_path / "s.pt")
     loaded, ckpt = student.load_policy(path)
@@ -147,41 +128,59 @@ def test_env_cfg_comes_from_the_teacher():
     assert other == {"sim": "isaaclab", "motions": "b", "terrain": "mix", "dr": "default"}
 
 
-def test_hcdr_from_teacher(tmp_path):
+def test_the_student_shares_the_teachers_hcdr(tmp_path):
     agent, _ = student.load_teacher(make_teacher_ckpt(tmp_path / "t.pt"), "cpu")
     agent.actor.history_norm.update(torch.randn(100, 93))
-    policy = student.StudentPolicy(LAYOUT, CPU)  # the cpu presets share the HCDR sizes and d_model
-    student.init_hcdr_from_teacher(policy, agent, "t.pt")
+    policy = student.StudentPolicy(LAYOUT, CPU)  # sizes: the teacher's
+    student.share_teacher_hcdr(policy, agent, "t.pt", frozen=True)
     for k, v in agent.actor.hcdr.state_dict().items():
         assert torch.equal(policy.actor.hcdr.state_dict()[k], v)
-    assert torch.equal(policy.actor.history_norm.mean, agent.actor.history_norm.mean)
-    with pytest.raises(ValueError, match="other sizes"):
-        student.init_hcdr_from_teacher(student.StudentPolicy(LAYOUT, dataclasses.replace(CPU, hcdr_dim=16)), agent,
-                                       "t.pt")
-    with pytest.raises(ValueError, match="another structure"):
-        student.init_hcdr_from_teacher(student.StudentPolicy(LAYOUT, dataclasses.replace(CPU, hcdr_layers=2)), agent,
-                                       "t.pt")
+    obs = random_obs(8)
+    torch.testing.assert_close(policy.actor.hcdr(policy.actor.history_norm(obs["history"]), obs["history_mask"]),
+                               agent.actor.hcdr(agent.actor.history_norm(obs["history"]), obs["history_mask"]))
+    # frozen: no gradient and no normalizer update reach it; the rest of the student learns
+    mean = policy.actor.history_norm.mean.clone()
+    policy.actor.update_norms(random_obs(64, seed=4))
+    assert torch.equal(policy.actor.history_norm.mean, mean)
+    assert not any(p.requires_grad for p in policy.actor.hcdr.parameters())
+    assert all(p.requires_grad for p in policy.actor.head.parameters())
+    student.share_teacher_hcdr(policy, agent, "t.pt", frozen=False)  # --hcdr finetune
+    assert all(p.requires_grad for p in policy.actor.hcdr.parameters())
+    with pytest.raises(ValueError, match="t.pt: the teacher's HCDR has other sizes"):
+        student.share_teacher_hcdr(student.StudentPolicy(LAYOUT, dataclasses.replace(CPU, hcdr_dim=16)), agent,
+                                   "t.pt", frozen=True)
 
 
-@pytest.mark.parametrize("no_hcdr", [False, True])
-def test_onnx_export_matches_pytorch(tmp_path, no_hcdr):
+def deploy_inputs(obs: dict, keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> dict:
+    return {"student_proprio": obs["student_proprio"], "keypoints_w": keypoints_w, "root_pos_w": root_pos_w,
+            "root_quat_w": root_quat_w, "terrain": obs["terrain"], "history": obs["history"],
+            "history_mask": obs["history_mask"]}
+
+
+@pytest.mark.parametrize("hcdr", ["teacher", "none"])
+def test_onnx_export_matches_pytorch(tmp_path, hcdr):
     import json
 
     import onnx
     import onnxruntime as ort
-    path, policy = make_student_ckpt(tmp_path / "s.pt", dataclasses.replace(CPU, no_hcdr=no_hcdr))
+    path, policy = make_student_ckpt(tmp_path / "s.pt", dataclasses.replace(CPU, hcdr=hcdr))
     out = student.export(student.Export(ckpt=str(path), onnx=str(tmp_path / "s.onnx")))
     meta = {p.key: json.loads(p.value) for p in onnx.load(str(out)).metadata_props}
     session = ort.InferenceSession(str(out))
     names = [i.name for i in session.get_inputs()]
-    assert names == meta["inputs"]
-    assert names == (["student_proprio", "student_keypoints", "terrain"] if no_hcdr else list(student.STUDENT_OBS))
-    assert meta["obs_layout"] == {k: LAYOUT[k] for k in names}
+    assert names == list(meta["inputs"])
+    assert names == list(student.DEPLOY_INPUTS)[:5 if hcdr == "none" else 7]
     assert meta["dof_names"] == list(ssjr.DOF_NAMES) and meta["control_dt_s"] == envs.CONTROL_DT_S
     for n, seed in ((1, 0), (7, 1), (64, 2)):  # dynamic batch
         obs = random_obs(n, seed)
-        got = session.run(None, {k: obs[k].numpy() for k in names})[0]
-        np.testing.assert_allclose(got, policy.act(obs).numpy(), rtol=0, atol=1e-5)
+        g = torch.Generator().manual_seed(seed)
+        kp_w, root_pos = torch.randn(n, 10, J, 3, generator=g), torch.randn(n, 3, generator=g)
+        root_quat = ssjr.quat_normalize(torch.randn(n, 4, generator=g))
+        obs["student_keypoints"] = ssjr.keypoint_command(kp_w, root_pos, root_quat)
+        inputs = deploy_inputs(obs, kp_w, root_pos, root_quat)
+        alpha, y = session.run(None, {k: inputs[k].numpy() for k in names})
+        np.testing.assert_allclose(y, obs["student_keypoints"].numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(alpha, policy.act(obs).numpy(), rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -278,6 +277,30 @@ def test_teacher_with_another_observation_layout_is_rejected(sim_setup, tmp_path
     other_critic = make_teacher_ckpt(tmp_path / "t2.pt", {**env.obs_layout, "critic": [99]}, perturb=False)
     student.train(dataclasses.replace(args, teacher_ckpt=str(other_critic), total_env_steps=0,
                                       run_dir=str(tmp_path / "r2")), env=env)
+
+
+@pytest.mark.slow
+def test_env_evaluate_and_export_read_one_keypoint_command(train_packet, tmp_path):
+    """An evaluation env (evaluate.opened_env) and the ONNX graph compute Y_t from the same state through
+    ssjr.keypoint_command: the command's world keypoints and the robot's root pose."""
+    import evaluate
+    import onnxruntime as ort
+    path, policy = make_student_ckpt(tmp_path / "s.pt")
+    session = ort.InferenceSession(str(student.export(student.Export(ckpt=str(path), onnx=str(tmp_path / "s.onnx")))))
+    ckpt = {"env_cfg": {"sim": "genesis", "motions": str(train_packet), "terrain": "flat", "dr": "default"}}
+    with evaluate.opened_env(ckpt, path, evaluate.parse_setting("genesis", "genesis"), [train_packet], 2, "cpu",
+                             seed=0) as env:
+        obs = env.reset()
+        for _ in range(5):
+            obs = env.step(obs["ref_dof_pos"])[0]
+        pos, quat = env.sim.body_state()[:2]
+        kp_w = env.reference(env.window_steps)["body_pos"][:, :10, env.keypoint_ids]
+        y = ssjr.keypoint_command(kp_w, pos[:, 0], quat[:, 0])
+        torch.testing.assert_close(obs["student_keypoints"], y, rtol=0, atol=1e-6)
+        inputs = deploy_inputs(obs, kp_w, pos[:, 0], quat[:, 0])
+        alpha, y_onnx = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+        np.testing.assert_allclose(y_onnx, y.numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(alpha, policy.act(obs).numpy(), rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
