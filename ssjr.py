@@ -924,6 +924,20 @@ def human_to_g1_keypoints(kin: G1Kinematics, joints: np.ndarray) -> tuple[np.nda
     return keypoints.numpy(), keypoints[:, 0].numpy(), heading.numpy()
 
 
+def write_atomic(path: str | os.PathLike, writer) -> pathlib.Path:
+    """writer(tmp_path) writes the file; it then replaces `path` in one step (readers never see half a file). Every
+    file this project writes (packets, checkpoints, reports, the ONNX model) goes through here."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # same suffix: writers that go by it still work
+    try:
+        writer(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def save_packet(path: str | os.PathLike, packet: dict) -> pathlib.Path:
     """Write a packet (robot, or kind='human_keypoints') as an uncompressed .npz: float arrays as float32, names as
     string arrays, text/source/license as strings."""
@@ -936,9 +950,10 @@ def save_packet(path: str | os.PathLike, packet: dict) -> pathlib.Path:
     for k, v in packet.items():
         v = np.asarray(v)
         arrays[k] = v.astype(np.float32) if v.dtype.kind in "fiu" and k != "kind" else v.astype(str)
-    with open(path, "wb") as f:  # a file handle keeps np.savez from appending a second '.npz'
-        np.savez(f, **arrays)
-    return path
+    def write(tmp):
+        with open(tmp, "wb") as f:  # a file handle keeps np.savez from appending a second '.npz'
+            np.savez(f, **arrays)
+    return write_atomic(path, write)
 
 
 def packet_kind(path: str | os.PathLike) -> str:

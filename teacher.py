@@ -288,13 +288,11 @@ def ppo_losses(agent, obs, actions, old_logprob, advantages, returns, clip_coef:
 
 # --- checkpoints ----------------------------------------------------------------------------------------------------
 def save_checkpoint(path: pathlib.Path, payload: dict):
-    """Atomic: write a temp file, then rename over the target."""
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    ssjr.write_atomic(path, lambda tmp: torch.save(payload, tmp))
 
 
-def load_checkpoint(path, kind: str) -> dict:
+def load_checkpoint(path, kind: str | tuple[str, ...] = ("teacher", "student")) -> dict:
+    """A checkpoint of `kind` (one of them, for a tuple), or an error naming the file."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise InputError(path, "checkpoint not found")
@@ -303,9 +301,10 @@ def load_checkpoint(path, kind: str) -> dict:
     except Exception as e:
         first_line = (str(e).splitlines() or [""])[0][:200]
         raise InputError(path, f"not a readable checkpoint ({type(e).__name__}: {first_line})")
-    if not isinstance(ckpt, dict) or ckpt.get("kind") != kind:
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if not isinstance(ckpt, dict) or ckpt.get("kind") not in kinds:
         found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise InputError(path, f"expected a {kind} checkpoint, found {found!r}")
+        raise InputError(path, f"expected a {' or '.join(kinds)} checkpoint, found {found!r}")
     missing = [k for k in ("args", "obs_layout", "model") if k not in ckpt]
     if missing:
         raise InputError(path, f"{kind} checkpoint without {missing} (incomplete or from another tool)")
