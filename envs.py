@@ -1114,11 +1114,20 @@ class TrackingEnv:
         return obs
 
 
+def body_error_metrics(pos: torch.Tensor, ref_pos: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Distances of the bodies (all, and the SSJR keypoint bodies) to their reference positions, world frame (m),
+    reduced over the bodies: pos, ref_pos [..., B, 3] -> [...] each. The failure test, the training metrics and
+    evaluate.py's GTE / g-mpjpe / keypoint error are all built on these."""
+    err_b = (ref_pos - pos).norm(dim=-1)
+    err_k = err_b[..., list(ssjr.KEYPOINT_BODY_IDS)]
+    return {"gt_err_m": err_b.mean(-1), "keypoint_err_m": err_k.mean(-1), "max_keypoint_err_m": err_k.amax(-1),
+            "max_body_err_m": err_b.amax(-1)}
+
+
 def tracking_terms(body, ref):
     """Mean squared tracking errors (the exp-reward arguments) and the per-env metrics of the paper."""
     pos, quat, lin, ang = body
     dp = ref["body_pos"] - pos
-    err_b = dp.norm(dim=-1)  # [N, B] global translation error per body
     angle = ssjr.quat_angle(quat, ref["body_quat"])
     rel = (ref["body_pos"] - ref["body_pos"][:, :1]) - (pos - pos[:, :1])
     terms = {"gt": dp.pow(2).mean((-1, -2)), "gr": angle.pow(2).mean(-1),
@@ -1126,10 +1135,8 @@ def tracking_terms(body, ref):
              "gav": (ref["body_ang_vel"] - ang).pow(2).mean((-1, -2)),
              "rh": (ref["body_pos"][:, 0, 2] - pos[:, 0, 2]).pow(2),
              "rt": dp[:, 0].pow(2).mean(-1)}
-    err_k = err_b[:, list(ssjr.KEYPOINT_BODY_IDS)]
-    metrics = {"gt_err_m": err_b.mean(-1), "keypoint_err_m": err_k.mean(-1),
-               "max_keypoint_err_m": err_k.max(-1).values, "max_body_err_m": err_b.max(-1).values,
-               "mpjpe_m": rel.norm(dim=-1).mean(-1), "gr_err_rad": angle.mean(-1)}
+    metrics = {**body_error_metrics(pos, ref["body_pos"]), "mpjpe_m": rel.norm(dim=-1).mean(-1),
+               "gr_err_rad": angle.mean(-1)}
     return terms, metrics
 
 
