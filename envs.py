@@ -52,7 +52,7 @@ PHYSICS_DT_S = 0.005  # 200 Hz physics
 SPARSE_STATE_DIM = 64  # s in each (s, alpha) pair of H_t and in the student's proprio (see the table above)
 DECIMATION = 4  # 50 Hz policy
 CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
-START_MODES = ("random", "adaptive", "frame0")  # episode starts: uniform, failure-driven (AdaptiveStarts), evaluation
+START_MODES = ("random", "frame0")  # episode starts: uniform (training), env i plays clips i, i+N, ... (evaluation)
 START_MARGIN_S = 1.0  # episodes start at least this long before their clip ends (shorter clips: at frame 0)
 
 # PD gains (kp N m/rad, kd N m s/rad) and effort limits (N m), per joint group. Paper: hips 100, knees 200, waist 400,
@@ -70,8 +70,8 @@ ARMATURE = 0.03  # kg m^2, every joint (authors' earlier code)
 JOINT_FRICTION = 0.03  # N m, dry friction (frictionloss)
 JOINT_DAMPING = 0.05  # N m s/rad, passive joint damping (on top of the PD's kd)
 FEET = ("left_ankle_roll_link", "right_ankle_roll_link")  # the links whose friction is the ground-foot friction
-# Self-collision off in both engines: 1.7x faster Genesis CPU stepping (64 envs, measured), and retargeted dance
-# clips often pass a hand through the torso, which a colliding robot cannot track anyway.
+# Self-collision off in both engines: faster stepping, and retargeted dance clips often pass a hand through the torso,
+# which a colliding robot cannot track anyway.
 SELF_COLLISION = False
 
 
@@ -131,19 +131,12 @@ class DR:
     """noise of each SSJR command keypoint (the command is relative to an estimated root pose)"""
     body_psi_per_episode: bool = False
     """redraw the body masses, torso CoM and joint armature/damping/friction at every reset, not once per env at the
-    start (Isaac Lab's own tasks: mode 'startup'). On Isaac Lab (Newton) each such write recomputes the model
-    constants of every world at the next step (MuJoCo-Warp set_const): at 4096 envs, almost every step. The rest of
-    psi is redrawn every episode either way, and psi never changes within an episode."""
+    start (as Isaac Lab's 'startup' mode); on Isaac Lab each such write recomputes every world's model constants"""
 
     def sensor_std(self) -> torch.Tensor:
         """Noise std of each field of s [64]: dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
         return torch.tensor([self.noise_dof_pos_rad] * 29 + [self.noise_dof_vel_rad_s] * 29
                             + [self.noise_ang_vel_rad_s] * 3 + [self.noise_gravity] * 3)
-
-    def __post_init__(self):
-        if not 0 <= self.delay_steps[0] <= self.delay_steps[1] <= DECIMATION:
-            raise ValueError(f"DR.delay_steps {self.delay_steps}: delays are 0..{DECIMATION} physics steps (one "
-                             f"control period)")
 
 
 PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction",
@@ -193,18 +186,14 @@ class Terrain:
     def is_flat(self) -> bool:
         return not np.any(self.heights_m)
 
-    def _heights_on(self, device) -> torch.Tensor:
-        """The heightfield as a tensor on `device`, copied there once."""
-        cache = self.__dict__.setdefault("_heights_cache", {})
-        if device not in cache:
-            cache[device] = torch.as_tensor(self.heights_m, device=device)
-        return cache[device]
-
     def height_at(self, xy: torch.Tensor) -> torch.Tensor:
         """Ground height under world points xy [..., 2] (bilinear)."""
         if self.is_flat:
             return torch.zeros(xy.shape[:-1], device=xy.device)
-        h = self._heights_on(xy.device)
+        cache = self.__dict__.setdefault("_heights_cache", {})  # the heightfield, copied once to each device
+        h = cache.setdefault(xy.device, None)
+        if h is None:
+            h = cache[xy.device] = torch.as_tensor(self.heights_m, device=xy.device)
         g = (xy - torch.tensor(self.origin_m, device=xy.device)) / self.cell_m
         g0 = g.floor().long()
         f = g - g0
@@ -255,33 +244,11 @@ PACKET_FIELDS = {"body_pos": "body_pos_w", "body_quat": "body_quat_w", "body_lin
                  "body_ang_vel": "body_ang_vel_w", "dof_pos": "dof_pos", "dof_vel": "dof_vel"}  # MotionLib: packet key
 
 
-def resample(packet: dict, dt_s: float) -> dict[str, torch.Tensor]:
-    """A packet's reference state at t = k * dt_s, k = 0 .. floor(length / dt_s) (ticks <= the clip end), from its
-    frames: lerp positions and velocities, slerp rotations."""
-    fps, num_frames = float(packet["fps"]), len(packet["dof_pos"])
-    num_ticks = int(np.floor((num_frames - 1) / fps / dt_s + 1e-4)) + 1
-    f = np.minimum(np.arange(num_ticks) * dt_s * fps, num_frames - 1)
-    i0 = np.floor(f + 1e-6).astype(np.int64)  # + 1e-6: a tick on a frame reads that frame exactly
-    i1 = np.minimum(i0 + 1, num_frames - 1)
-    w = torch.as_tensor(np.clip(f - i0, 0.0, 1.0), dtype=torch.float32)
-    out = {}
-    for name, key in PACKET_FIELDS.items():
-        x = torch.as_tensor(np.asarray(packet[key]), dtype=torch.float32)
-        if name == "body_quat":
-            out[name] = ssjr.quat_slerp(x[i0], x[i1], w[:, None])
-        else:
-            out[name] = x[i0] + (x[i1] - x[i0]) * w.view(-1, *[1] * (x.dim() - 1))
-    return out
-
-
 class MotionLib:
-    """All clips concatenated on the device, resampled at load to the control rate (`resample`): episodes start on a
-    control tick, so the env reads the reference by indexing (`at_tick`) instead of interpolating every step. The
-    30 fps frames are not kept."""
+    """All clips concatenated on the device, resampled once to the control rate (`ssjr.resample`): episodes start on
+    a control tick, so the env reads the reference by indexing (`at_tick`) instead of interpolating every step."""
 
     def __init__(self, packet_paths: list[pathlib.Path], device, dt_s: float = CONTROL_DT_S):
-        if not packet_paths:
-            raise ValueError("MotionLib: no motion packets given (run `python ssjr.py convert ...` first)")
         packets = [ssjr.load_packet(p) for p in packet_paths]
         packets = [p if p["kind"] == "robot" else keypoints_to_packet(p) for p in packets]
         self.keypoints_only = torch.tensor([p["kind"] == "human_keypoints" for p in packets], device=device)
@@ -291,7 +258,8 @@ class MotionLib:
         # the start ticks of each clip: 0 .. last_start_tick
         self.last_start_tick = ((self.length_s - START_MARGIN_S).clamp(min=0.0) / dt_s + 1e-4).long()
         # the control-tick table: tick k of a clip is its state at k * dt_s, k = 0 .. num_ticks - 1 (<= the clip end)
-        ticks = [resample(p, dt_s) for p in packets]
+        frames = [{k: torch.as_tensor(p[v], dtype=torch.float32) for k, v in PACKET_FIELDS.items()} for p in packets]
+        ticks = [ssjr.resample(f, float(p["fps"]), 1.0 / dt_s, ("body_quat",)) for f, p in zip(frames, packets)]
         self.num_ticks = torch.tensor([len(t["dof_pos"]) for t in ticks], device=device)
         self.tick_start = torch.cumsum(self.num_ticks, 0) - self.num_ticks
         self.ticks = {k: torch.cat([t[k] for t in ticks]).to(device) for k in PACKET_FIELDS}
@@ -304,71 +272,6 @@ class MotionLib:
         """Reference state of `clip` [M] at control tick `tick` [M] (clamped to the clip): a gather, no arithmetic."""
         i = torch.minimum(tick.clamp(min=0), self.num_ticks[clip] - 1) + self.tick_start[clip]
         return {k: v[i] for k, v in self.ticks.items()}
-
-
-class AdaptiveStarts:
-    """Failure-driven reference-state init (the adaptive sampling of BeyondMimic, simplified; the paper does not say
-    how episodes start). Every clip is cut into bins of `bin_s`. The env reports, every control step, which bin each
-    env is in and whether it failed there; decayed sums of both give each bin's failure hazard (failures per step
-    spent in it). An episode starts in bin j with probability
-        (1 - uniform) * w_j / sum(w) + uniform * (start ticks in j) / (start ticks of its clip) / (clips),
-        w_j = sum_l lookahead**l * hazard_(j+l), l = 0..lookahead_bins (same clip: a fall's cause precedes it),
-    then on a uniform tick of the bin. Starts stay on MotionLib.last_start_tick or before, as for uniform starts."""
-
-    def __init__(self, motions: MotionLib, bin_s: float = 0.5, uniform: float = 0.2, lookahead: float = 0.6,
-                 lookahead_bins: int = 3, decay: float = 0.998):
-        dev = motions.num_ticks.device
-        self.uniform, self.decay = uniform, decay
-        self.bin_ticks = max(1, round(bin_s / motions.dt_s))
-        self.num_bins = (motions.num_ticks + self.bin_ticks - 1) // self.bin_ticks
-        self.bin_start = torch.cumsum(self.num_bins, 0) - self.num_bins
-        self.bin_clip = torch.repeat_interleave(torch.arange(len(motions), device=dev), self.num_bins)
-        bin_index = torch.arange(len(self.bin_clip), device=dev) - self.bin_start[self.bin_clip]  # within its clip
-        self.bin_first_tick = bin_index * self.bin_ticks
-        # start ticks in each bin: bin_first_tick .. min(bin_first_tick + bin_ticks, last_start_tick + 1) - 1
-        end = torch.minimum(self.bin_first_tick + self.bin_ticks, motions.last_start_tick[self.bin_clip] + 1)
-        self.start_ticks = (end - self.bin_first_tick).clamp(min=0)
-        # the uniform share is the 'random' start: a uniform clip, then a uniform start tick in it
-        clip_ticks = torch.zeros(len(motions), device=dev).index_add_(0, self.bin_clip, self.start_ticks.float())
-        self.uniform_p = self.start_ticks / clip_ticks[self.bin_clip] / len(motions)
-        # bin j + l of the same clip (or -1), for the lookahead kernel
-        later = torch.arange(len(self.bin_clip), device=dev)[:, None] + torch.arange(lookahead_bins + 1, device=dev)
-        same = later < (self.bin_start + self.num_bins)[self.bin_clip][:, None]
-        self.later = torch.where(same, later, -1)
-        self.kernel = lookahead ** torch.arange(lookahead_bins + 1, device=dev, dtype=torch.float32)
-        self.failures = torch.zeros(len(self.bin_clip), device=dev)  # decayed sums
-        self.steps = torch.zeros(len(self.bin_clip), device=dev)
-
-    def bin_of(self, clip: torch.Tensor, tick: torch.Tensor) -> torch.Tensor:
-        return self.bin_start[clip] + torch.minimum(tick // self.bin_ticks, self.num_bins[clip] - 1)
-
-    def record(self, clip: torch.Tensor, tick: torch.Tensor, failed: torch.Tensor):
-        """One control step of every env: the bins they are in, and which of them failed there."""
-        b = self.bin_of(clip, tick)
-        self.steps.mul_(self.decay).index_add_(0, b, torch.ones_like(b, dtype=torch.float32))
-        self.failures.mul_(self.decay).index_add_(0, b, failed.float())
-
-    def probabilities(self) -> torch.Tensor:
-        """The start probability of every bin of the library [num_bins]."""
-        hazard = self.failures / (self.steps + 1.0)
-        w = (torch.where(self.later >= 0, hazard[self.later.clamp(min=0)], 0.0) * self.kernel).sum(-1)
-        w = w * (self.start_ticks > 0)
-        return self.uniform_p if w.sum() <= 0 else (1 - self.uniform) * w / w.sum() + self.uniform * self.uniform_p
-
-    def sample(self, m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """(clip, start tick) of m new episodes."""
-        b = torch.multinomial(self.probabilities(), m, replacement=True, generator=gen)
-        offset = (torch.rand(m, generator=gen, device=b.device) * self.start_ticks[b]).long()
-        return self.bin_clip[b], self.bin_first_tick[b] + offset
-
-    def state(self) -> torch.Tensor:
-        return torch.stack([self.failures, self.steps])
-
-    def load_state(self, state: torch.Tensor):
-        if state.shape != (2, len(self.bin_clip)):
-            raise ValueError(f"AdaptiveStarts: saved statistics have {state.shape[-1]} bins, this motion library has "
-                             f"{len(self.bin_clip)} (different motions)")
-        self.failures, self.steps = (x.to(self.failures.device).clone() for x in state)
 
 
 # A neutral standing pose (rad), used where a motion gives no joint angles (human keypoint commands).
@@ -530,20 +433,15 @@ class GenesisSim:
         """Nothing to release: several Genesis scenes may live in one process."""
 
 
-
-
 _XYZW_FROM_WXYZ = [1, 2, 3, 0]
 _WXYZ_FROM_XYZW = [3, 0, 1, 2]
 _TORSO = "torso_link"
 
 
 def _g1_usd_path() -> pathlib.Path:
-    """Convert the G1 MJCF to USD once (Isaac Lab MjcfConverter, MuJoCo physics variant) and cache it.
-
-    Must run before any other USD stage exists in the process (else the converter misses the PhysxJointAPI
-    schema). The conversion goes to a temporary folder that is renamed into place: a half-written USD is never
-    visible to another process.
-    """
+    """Convert the G1 MJCF to USD once (Isaac Lab MjcfConverter, MuJoCo physics variant), cached in assets/. Must run
+    before any other USD stage exists in the process (else the converter misses the PhysxJointAPI schema); written to
+    a temporary folder renamed into place, so no process sees a half-written USD."""
     xml = ssjr.g1_mjcf_path()
     settings = dict(fix_base=False, physics_variant="mujoco", self_collision=SELF_COLLISION)
     digest = hashlib.sha1(xml.read_bytes() + repr(sorted(settings.items())).encode()).hexdigest()[:10]
@@ -555,10 +453,7 @@ def _g1_usd_path() -> pathlib.Path:
 
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".g1_usd_", dir=ssjr.ASSETS))
     staging.chmod(0o755)
-    converter = MjcfConverter(MjcfConverterCfg(asset_path=str(xml), usd_dir=str(staging), force_usd_conversion=True,
-                                               **settings))
-    if pathlib.Path(converter.usd_path) != staging / "g1" / "g1.usda":
-        raise RuntimeError(f"unexpected converter output {converter.usd_path}")
+    MjcfConverter(MjcfConverterCfg(asset_path=str(xml), usd_dir=str(staging), force_usd_conversion=True, **settings))
     try:
         staging.rename(out)
     except OSError:  # another process won the race: keep its copy
@@ -603,32 +498,19 @@ def _write_ground_usd(path: pathlib.Path, terrain) -> None:
 
 
 class IsaacLabSim:
-    """Isaac Lab 3.0 (kit-less Newton/MuJoCo-Warp physics, CPU here): the G1 MJCF converted once with Isaac Lab's
-    MjcfConverter into a USD cached in assets/, N clones in one InteractiveScene (env spacing 0: every env sits at
-    the world origin like Genesis' batched envs; Newton worlds never collide with each other) over a local ground.
-    Every joint gets an implicit actuator with zero stiffness/damping (effort mode): step(tau) is a pure torque step.
-    One instance per process at a time (Isaac Lab's SimulationContext is a singleton); close() frees it.
-
-    Deviations from Isaac Lab / Genesis conventions handled here:
-    - Isaac Lab 3 quaternions are xyzw; the adapter speaks wxyz (contract).
-    - Joint/body order: remapped by name (Newton's articulation view happens to use MuJoCo order already, but the
-      permutation is built from the articulation's names and checked at start-up).
-    - Velocities are those of the link frames (origins), matching `d/dt body_pos`, not of the centres of mass.
-    - Friction: MuJoCo(-Warp) uses the max of the two geoms' friction; the ground's friction is set to 0 so the
-      foot shapes' friction IS the ground-foot friction (`set_friction`). Other links keep the asset's friction.
-    - Joint damping/frictionloss are MuJoCo's passive `dof_damping`/`dof_frictionloss` (Isaac Lab "viscous
-      friction" / "friction coefficient"); the actuators' PD gains stay 0.
-    - `set_body_mass` scales each body's rotational inertia with its mass ratio (same radius of gyration).
-    - Gravity is per env natively (Newton `Model.gravity` has one row per world, copied into MJWarp's per-world
-      `opt.gravity`): no compensating external forces are needed.
-    - Non-flat terrain: a Newton heightfield (MuJoCo `hfield`, which MJWarp collides with capsules/spheres), plus a
-      plane at the lowest terrain height so nothing falls forever outside the terrain patch.
-    - Self-collision follows SELF_COLLISION (off, as in Genesis).
-    - The XML has no armature: joints start with armature/damping/frictionloss 0 until `set_joint_params` (explicit
-      PD at dt 0.005 s on the light wrist links diverges without some armature). After construction every env is at
-      q = 0 with the pelvis at the MJCF's 0.793 m (feet in the ground): call `write_state` before stepping.
-    - Newton/MJWarp only: PhysX needs Isaac Sim (Kit, an RTX GPU, NVIDIA's package index), which cannot be installed
-      here, and the DR setters write the Newton model.
+    """Isaac Lab 3.0, kit-less Newton/MuJoCo-Warp physics (PhysX needs Isaac Sim). The G1 MJCF converted once to USD,
+    N clones in one InteractiveScene at env spacing 0 (Newton worlds never collide with each other), over a local
+    ground (a plane, plus a Newton heightfield for non-flat terrain). Every joint has an implicit actuator with zero
+    gains: step(tau) is a pure torque step. One instance per process (SimulationContext is a singleton); close() frees
+    it. Conventions handled here:
+    - quaternions: Isaac Lab's xyzw <-> wxyz; joint/body order: remapped to MuJoCo order by name.
+    - velocities are the link frames' (d/dt body_pos), not the centres of mass'.
+    - friction: MuJoCo takes the max of the pair; the ground's is 0, so the foot shapes' friction is the ground-foot
+      friction (`set_friction`).
+    - joint damping/frictionloss: MuJoCo's passive dof_damping/dof_frictionloss; `set_body_mass` scales each body's
+      inertia with its mass ratio; gravity is per world natively.
+    - joints start with armature/damping/frictionloss 0 (explicit PD on the light wrists diverges without armature)
+      and every env at q = 0, feet in the ground: call `set_joint_params` and `write_state` before stepping.
     """
 
     dof_names = ssjr.DOF_NAMES
@@ -681,10 +563,8 @@ class IsaacLabSim:
 
     # ----- set-up helpers -----
     def _build_maps(self) -> None:
-        """MuJoCo-order index -> Isaac Lab index, by name (never from a hard-coded table)."""
+        """MuJoCo-order index -> Isaac Lab index, by name."""
         joints, bodies = list(self.robot.joint_names), list(self.robot.body_names)
-        if sorted(joints) != sorted(self.dof_names) or sorted(bodies) != sorted(self.body_names):
-            raise RuntimeError(f"G1 USD names differ from ssjr: joints {joints}, bodies {bodies}")
         self._dof_perm = torch.tensor([joints.index(n) for n in self.dof_names], device=self.device)
         self._dof_inv = torch.argsort(self._dof_perm)
         self._body_perm = torch.tensor([bodies.index(n) for n in self.body_names], device=self.device)
@@ -837,9 +717,7 @@ class TrackingEnv:
                  start: str = "random", terrain_mix: dict[str, float] | None = None):
         self.sim, self.motions, self.terrain, self.dr = sim, motion_lib, terrain, dr
         self.num_envs, self.device = sim.num_envs, sim.device
-        # "random": random clip and tick; "adaptive": AdaptiveStarts; "frame0": env i plays clips i, i+N, ... from 0
-        self.start = start
-        self.starts = AdaptiveStarts(motion_lib) if start == "adaptive" else None
+        self.start = start  # see START_MODES
         n, dev = self.num_envs, self.device
         self.gen = torch.Generator(device=dev).manual_seed(seed)
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
@@ -874,17 +752,11 @@ class TrackingEnv:
         self.sim.close()
 
     def get_rng_state(self) -> dict[str, torch.Tensor]:
-        """The env's random stream (clips, start times, psi, pushes, tiles) and the AdaptiveStarts statistics: saved
-        with a checkpoint for --resume."""
-        return {"gen": self.gen.get_state(),
-                **({"starts": self.starts.state().cpu()} if self.starts is not None else {})}
+        """The env's random stream (clips, start times, psi, pushes, tiles, noise): saved with a checkpoint."""
+        return {"gen": self.gen.get_state()}
 
-    def set_rng_state(self, state: dict[str, torch.Tensor] | torch.Tensor):
-        if torch.is_tensor(state):  # checkpoints written before AdaptiveStarts saved the generator alone
-            state = {"gen": state}
+    def set_rng_state(self, state: dict[str, torch.Tensor]):
         self.gen.set_state(state["gen"])
-        if self.starts is not None and "starts" in state:
-            self.starts.load_state(state["starts"])
 
     # --- reference ------------------------------------------------------------------------------------------------
     def tick(self) -> torch.Tensor:
@@ -930,8 +802,6 @@ class TrackingEnv:
             self.clip[ids] = self.next_clip[ids]
             self.next_clip[ids] = (self.next_clip[ids] + self.num_envs) % len(lib)
             self.tick0[ids] = 0
-        elif self.starts is not None:
-            self.clip[ids], self.tick0[ids] = self.starts.sample(m, self.gen)
         else:  # reference-state init: a uniform clip, then a uniform start tick in it
             self.clip[ids] = torch.randint(len(lib), (m,), generator=self.gen, device=dev)
             num_starts = lib.last_start_tick[self.clip[ids]] + 1
@@ -976,8 +846,6 @@ class TrackingEnv:
     def step(self, alpha: torch.Tensor):
         """One 50 Hz control step: PD targets alpha [N,29] -> (obs, reward [N], done [N], info)."""
         n, dev = self.num_envs, self.device
-        if alpha.shape != (n, 29):
-            raise ValueError(f"step() takes PD targets alpha of shape [{n}, 29], got {list(alpha.shape)}")
         alpha = alpha.detach().to(dev)
         s_before = self.sparse_buf[:, -1, :SPARSE_STATE_DIM]  # s_t, observed at the end of the last step
         kp = self.kp * self.psi["kp_scale"][:, None]
@@ -1029,8 +897,6 @@ class TrackingEnv:
         blown_up = self.sim.nan_envs() | ~finite
         reward = torch.where(blown_up, torch.zeros_like(reward), reward)
         failed = failed | blown_up
-        if self.starts is not None:
-            self.starts.record(self.clip, self.tick(), failed)
         done = failed | time_out
         info = {"metrics": metrics, "reward_terms": {k: torch.exp(REWARD_COEFFS[k] * v) for k, v in terms.items()},
                 "power_w": power_w, "time_out": time_out & ~failed, "failed": failed,
@@ -1166,6 +1032,8 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     paths = resolve_motions(motions)
     if exclude_test and len(paths) > 1:
         paths, _ = ssjr.train_test_split(paths)
+        if not paths:
+            raise InputError(motions, "only held-out test clips (ssjr.TEST_CLIPS): nothing to train on")
     motion_lib = MotionLib(paths, device)  # before the engine: a bad motion file leaves no simulator behind
     ground = make_terrain(terrain, seed if terrain_seed is None else terrain_seed)
     if sim == "genesis":
@@ -1196,56 +1064,44 @@ class Bench:
     dr: bool = True
     """domain randomization on"""
     torch_threads: int = 1
-    """torch intra-op threads (1 is fastest for small batched ops on a 2-core machine)"""
+    """torch intra-op threads"""
     performance_mode: bool = False
     """Genesis performance mode (kernels compiled for this env count)"""
 
 
-def bench(args: Bench) -> dict[str, float]:
-    """env-steps/s of our env, and of the raw engine on the same scene in the same run. The raw engine's rate is
-    measured two ways: (a) inside our env, the time spent in the engine's physics step alone during the same steps
-    (same robots, same motions and contacts: the ratio ours/raw = the share of wall time that is physics); (b) the
-    engine alone holding the reset pose with the same PD, no task logic (a contact-light ceiling)."""
+def bench(args: Bench) -> None:
+    """Print env-steps/s of our env and of the raw engine on the same scene, measured two ways: (a) the time spent in
+    the engine's physics step during our env's steps (ours/raw = the share of wall time that is physics); (b) the
+    engine alone holding the reset pose with the same PD (a contact-light ceiling). With DR, also the share of step
+    time the DR writes take when one env resets before every step (as at 4096 envs)."""
     torch.set_num_threads(args.torch_threads)
     t0 = time.time()
     env = make_env(args.sim, args.num_envs, args.device, args.motions, DR() if args.dr else None, args.terrain,
                    performance_mode=args.performance_mode)
-    obs = env.reset()
-    build_s = time.time() - t0
-    sim, n = env.sim, args.num_envs
-    physics_s = [0.0]
-    engine_step = sim.step
+    obs, build_s = [env.reset()], time.time() - t0
+    sim, n, engine_step, physics_s = env.sim, args.num_envs, env.sim.step, [0.0]
 
     def timed_engine_step(tau):
         start = time.perf_counter()
         engine_step(tau)
         physics_s[0] += time.perf_counter() - start
 
-    def rate(fn, steps):
+    def rate(fn, steps=args.steps):
         for _ in range(10):
             fn()
-        physics_s[0] = 0.0
-        start = time.perf_counter()
+        physics_s[0], start = 0.0, time.perf_counter()
         for _ in range(steps):
             fn()
         return n * steps / (time.perf_counter() - start)
 
-    holder = {"obs": obs}
-
     def env_step():
-        holder["obs"] = env.step(holder["obs"]["ref_dof_pos"])[0]
+        obs[0] = env.step(obs[0]["ref_dof_pos"])[0]
 
-    sim.step = timed_engine_step
-    ours = rate(env_step, args.steps)
-    raw_same = n * args.steps / physics_s[0]
-    sim.step = engine_step
-
-    def reset_one_then_step():  # one env resets before every step, as at 4096 envs
+    def reset_one_then_step():
         env.reset(torch.randint(n, (1,), device=env.device))
         env_step()
 
-    def dr_reset_share(body_per_episode: bool) -> float:
-        """The share of step time the DR writes of those resets take: the same loop with and without them."""
+    def dr_reset_pct(body_per_episode: bool) -> float:  # the same loop with and without the resets' DR writes
         env.dr.body_psi_per_episode = body_per_episode
         with_writes = rate(reset_one_then_step, max(1, args.steps // 2))
         env._write_psi = lambda ids, body: None
@@ -1254,7 +1110,11 @@ def bench(args: Bench) -> dict[str, float]:
         env.dr.body_psi_per_episode = False
         return 100 * (1 - with_writes / without)
 
-    dr_share = {"default": dr_reset_share(False), "body_psi_per_episode": dr_reset_share(True)} if args.dr else {}
+    sim.step = timed_engine_step
+    ours = rate(env_step)
+    raw_same = n * args.steps / physics_s[0]
+    sim.step = engine_step
+    dr_pct = (dr_reset_pct(False), dr_reset_pct(True)) if args.dr else None
     q_hold = sim.dof_state()[0].clone()
 
     def raw_hold():
@@ -1262,24 +1122,19 @@ def bench(args: Bench) -> dict[str, float]:
             q, qd = sim.dof_state()
             sim.step((env.kp * (q_hold - q) - env.kd * qd).clamp(-env.effort_limit_nm, env.effort_limit_nm))
 
-    hold = rate(raw_hold, args.steps)
+    hold = rate(raw_hold)
     env.close()
-    result = {"build_s": build_s, "env_steps_per_s": ours, "raw_same_scene_steps_per_s": raw_same,
-              "ratio": ours / raw_same, "raw_hold_steps_per_s": hold,
-              **{f"dr_reset_pct_{k}": v for k, v in dr_share.items()}}
     print(f"{args.sim} ({args.device}), {n} envs, terrain {args.terrain}, DR {'on' if args.dr else 'off'}: "
           f"HoRD env {ours:,.0f} env-steps/s | raw engine, same scene {raw_same:,.0f} | ratio {ours / raw_same:.2f} "
           f"| raw engine holding a pose {hold:,.0f} (build {build_s:.0f} s)")
-    if dr_share:
-        print(f"DR resets: {dr_share['default']:.0f} % of step time (one env reset per step; with "
-              f"DR.body_psi_per_episode: {dr_share['body_psi_per_episode']:.0f} %)")
-    return result
+    if dr_pct:
+        print(f"DR resets: {dr_pct[0]:.0f} % of step time (one env reset per step; with DR.body_psi_per_episode: "
+              f"{dr_pct[1]:.0f} %)")
 
 
 if __name__ == "__main__":
-    import sys
     import tyro
     try:
         bench(tyro.extras.subcommand_cli_from_dict({"bench": Bench}))
     except InputError as e:
-        sys.exit(f"error: {e}")
+        raise SystemExit(f"error: {e}")

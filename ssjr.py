@@ -140,21 +140,6 @@ def quat_to_rotmat(q: torch.Tensor) -> torch.Tensor:
         q.shape[:-1] + (3, 3))
 
 
-def rotmat_to_quat(m: torch.Tensor) -> torch.Tensor:
-    """[...,3,3] -> [...,4] with w >= 0 (Shepperd: build from the largest of the four diagonal combinations)."""
-    m00, m01, m02, m10, m11, m12, m20, m21, m22 = m.reshape(m.shape[:-2] + (9,)).unbind(-1)
-    cand = torch.stack((
-        torch.stack((1 + m00 + m11 + m22, m21 - m12, m02 - m20, m10 - m01), -1),
-        torch.stack((m21 - m12, 1 + m00 - m11 - m22, m10 + m01, m02 + m20), -1),
-        torch.stack((m02 - m20, m10 + m01, 1 - m00 + m11 - m22, m21 + m12), -1),
-        torch.stack((m10 - m01, m02 + m20, m21 + m12, 1 - m00 - m11 + m22), -1)), dim=-2)  # row k = 4 q_k q
-    diag = torch.diagonal(cand, dim1=-2, dim2=-1)  # 4 q_k^2
-    best = diag.argmax(dim=-1, keepdim=True)
-    row = torch.take_along_dim(cand, best[..., None], dim=-2).squeeze(-2)
-    q = row / (2.0 * torch.take_along_dim(diag, best, dim=-1).clamp_min(1e-12).sqrt())
-    return torch.where(q[..., :1] < 0, -q, q)
-
-
 def quat_from_axis_angle(axis: torch.Tensor, angle_rad: torch.Tensor) -> torch.Tensor:
     """Rotation by angle_rad [...] about axis [...,3] (normalized here)."""
     axis = axis / axis.norm(dim=-1, keepdim=True).clamp_min(1e-12)
@@ -268,8 +253,6 @@ class G1Kinematics:
     def __init__(self, mjcf_path: str | os.PathLike | None = None, device: str | torch.device = "cpu"):
         root = ET.parse(mjcf_path or g1_mjcf_path()).getroot()
         defaults = _mjcf_defaults(root)
-        if root.find("compiler") is not None and root.find("compiler").get("angle", "degree") != "radian":
-            raise ValueError(f"{mjcf_path}: only compiler angle='radian' is supported")
         names, parents, pos, quat, axis, anchor, lower, upper, dof_names = [], [], [], [], [], [], [], [], []
         geoms: list[tuple[int, np.ndarray, np.ndarray, float]] = []  # collision geoms: body, end points, radius
 
@@ -284,15 +267,9 @@ class G1Kinematics:
             names.append(body.get("name"))
             parents.append(parent)
             pos.append(_vec(body.get("pos"), (0, 0, 0)))
-            if any(body.get(k) for k in ("euler", "axisangle", "xyaxes", "zaxis")):
-                raise ValueError(f"body {names[-1]}: only quat orientations are supported")
             quat.append(_vec(body.get("quat"), (1, 0, 0, 0)))
-            hinges = [attrs(j, cls) for j in body.findall("joint")]
-            hinges = [j for j in hinges if j.get("type", "hinge") == "hinge"]
-            if parent >= 0 and len(hinges) != 1:
-                raise ValueError(f"body {names[-1]}: expected exactly one hinge joint, found {len(hinges)}")
-            if parent >= 0:
-                j = hinges[0]
+            if parent >= 0:  # every body but the root: one hinge (the pinned G1 MJCF: radians, quat offsets)
+                j = attrs(body.find("joint"), cls)
                 dof_names.append(j["name"])
                 axis.append(_vec(j.get("axis"), (0, 0, 1)))
                 anchor.append(_vec(j.get("pos"), (0, 0, 0)))
@@ -317,15 +294,10 @@ class G1Kinematics:
                     p, gq = _vec(a.get("pos"), (0, 0, 0)), torch.tensor(_vec(a.get("quat"), (1, 0, 0, 0)))
                     half = quat_apply(gq, torch.tensor([0.0, 0.0, size[1]], dtype=gq.dtype)).numpy()
                     geoms.append((i, p - half, p + half, size[0]))
-                else:
-                    raise ValueError(f"body {names[-1]}: collision geom type {kind} is not supported")
             for child in body.findall("body"):
                 visit(child, i, cls)
 
-        top = root.find("worldbody").findall("body")
-        if len(top) != 1:
-            raise ValueError(f"{mjcf_path}: expected one root body under worldbody, found {len(top)}")
-        visit(top[0], -1, "main")
+        visit(root.find("worldbody").find("body"), -1, "main")
         f32 = dict(dtype=torch.float32, device=device)
         self.body_names, self.dof_names, self.parents = tuple(names), tuple(dof_names), tuple(parents)
         self.offset_pos = torch.tensor(np.stack(pos), **f32)                  # [B,3] in the parent frame
@@ -420,7 +392,6 @@ class HumanMotion:
     notes: list[str] = field(default_factory=list)
 
 
-FORMATS = ("auto", "g1csv", "mjlab", "phc", "amass", "bvh")
 MOTION_SUFFIXES = (".csv", ".npz", ".pkl", ".bvh")
 WRIST_DOF_IDS = (19, 20, 21, 26, 27, 28)  # the 6 wrist joints a 23-DoF G1 lacks
 DOF23_IDS = tuple(i for i in range(29) if i not in WRIST_DOF_IDS)
@@ -495,8 +466,6 @@ def load_g1_csv(path: pathlib.Path, fps: float | None = None, allow_23dof: bool 
         data = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
     except ValueError as e:
         raise InputError(path, f"not a numeric CSV ({e})") from None
-    if data.size == 0:
-        raise InputError(path, "empty clip (no frames)")
     if data.shape[1] not in (36, 30):
         raise InputError(path, f"wrong column count {data.shape[1]}: expected 36 (root xyz, quat xyzw, 29 joints) or "
                                 f"30 (23 joints)")
@@ -513,8 +482,6 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
         d = dict(npz)
     fps = _fps(path, d.get("fps"), fps)
     joint_pos = np.asarray(d["joint_pos"], dtype=np.float64)
-    if joint_pos.ndim != 2 or len(joint_pos) == 0:
-        raise InputError(path, f"joint_pos must be [T,29] or [T,36] with T > 0, got {joint_pos.shape}")
     notes: list[str] = []
     if joint_pos.shape[1] == 36:
         root_pos, root_quat, dof = joint_pos[:, :3], joint_pos[:, 3:7], joint_pos[:, 7:]
@@ -527,8 +494,6 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
         root_pos, root_quat, dof = d["body_pos_w"][:, root], d["body_quat_w"][:, root], joint_pos
     if "joint_names" in d and dof.shape[1] == 29:  # without names, joints are taken to be in MuJoCo order
         names = [str(n) for n in d["joint_names"]]
-        if len(names) != 29:
-            raise InputError(path, f"joint_names has {len(names)} entries for 29 joint columns")
         missing = [n for n in DOF_NAMES if n not in names]
         if missing:
             raise InputError(path, f"joint_names lacks {missing[:3]}...")
@@ -551,9 +516,6 @@ def load_phc_pkl(path: pathlib.Path, fps: float | None = None, allow_23dof: bool
         raise InputError(path, "not a PHC motion library (a dict of clips, each a dict with root_rot, dof, ...)")
     clips = []
     for key, c in lib.items():
-        missing = [k for k in ("root_trans_offset", "root_rot", "dof") if k not in c]
-        if missing:
-            raise InputError(path, f"clip {key}: missing {missing}")
         notes: list[str] = []
         dof = _to_29dof(path, np.asarray(c["dof"], np.float64).reshape(len(c["dof"]), -1), allow_23dof, notes)
         name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(key))
@@ -587,8 +549,6 @@ def load_smpl_model(path: pathlib.Path) -> dict[str, np.ndarray]:
     regressor = np.asarray(regressor.toarray() if hasattr(regressor, "toarray") else regressor, np.float64)
     parents = np.asarray(model["kintree_table"], np.int64)[0].copy()
     parents[0] = -1
-    if len(parents) < 22 or np.any(parents[1:] >= np.arange(1, len(parents))):
-        raise InputError(path, "SMPL kintree_table must list >= 22 joints, each after its parent")
     return dict(v_template=np.asarray(model["v_template"], np.float64), J_regressor=regressor, parents=parents,
                 shapedirs=np.asarray(model["shapedirs"], np.float64))
 
@@ -621,14 +581,9 @@ def load_amass_npz(path: pathlib.Path, fps: float | None = None, smpl_model: pat
                                 "download it (smpl.is.tue.mpg.de) and pass --smpl-model /path/to/model.npz")
     rate = d.get("mocap_framerate", d.get("mocap_frame_rate"))
     fps = _fps(path, rate, fps)
-    missing = [k for k in ("poses", "trans") if k not in d]
-    if missing:
-        raise InputError(path, f"AMASS npz lacks {missing}")
     poses, trans = np.asarray(d["poses"], np.float64), np.asarray(d["trans"], np.float64)
     if poses.ndim != 2 or poses.shape[1] < 66 or len(poses) == 0 or trans.shape != (len(poses), 3):
         raise InputError(path, f"AMASS poses must be [T,>=66] with trans [T,3], got {poses.shape} and {trans.shape}")
-    if not (np.isfinite(poses).all() and np.isfinite(trans).all()):
-        raise InputError(path, "NaN/inf in poses or trans")
     betas = np.asarray(d.get("betas", np.zeros(0)), np.float64).reshape(-1)
     joints = smpl_joints(load_smpl_model(smpl_model), poses, trans, betas)[:, SMPL_JOINT_IDS]
     gender = str(d.get("gender", "unknown"))
@@ -654,52 +609,32 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
     tokens = path.read_text(errors="replace").split()
     names, parents, offsets, channels = [], [], [], []
     stack: list[int] = []
-    i = 0
-
-    def broken(problem: str) -> InputError:
-        return InputError(path, f"broken BVH hierarchy: {problem}")
-
     try:
-        if tokens[0].upper() != "HIERARCHY":
-            raise broken("no HIERARCHY")
-        i = 1
+        i = 1  # after HIERARCHY
         while tokens[i].upper() != "MOTION":
             tok = tokens[i]
-            if tok in ("ROOT", "JOINT", "End"):
-                if tok == "ROOT" and names:
-                    raise broken("more than one ROOT")
-                if tok != "ROOT" and not stack:
-                    raise broken(f"{tok} outside of a joint")
+            if tok in ("ROOT", "JOINT", "End"):  # NAME { OFFSET x y z [CHANNELS n c1 .. cn]
                 names.append(tokens[i + 1] if tok != "End" else f"{names[stack[-1]]}_end")
                 parents.append(stack[-1] if stack else -1)
-                if tokens[i + 2] != "{" or tokens[i + 3] != "OFFSET":
-                    raise broken(f"joint {names[-1]} lacks '{{ OFFSET'")
                 offsets.append([float(v) for v in tokens[i + 4:i + 7]])
                 i += 7
-                chans: list[str] = []
                 if tokens[i] == "CHANNELS":
-                    n = int(tokens[i + 1])
-                    chans = tokens[i + 2:i + 2 + n]
-                    i += 2 + n
-                if tok != "End" and not chans:
-                    raise broken(f"joint {names[-1]} has no CHANNELS")
-                channels.append(chans)
+                    channels.append(tokens[i + 2:i + 2 + int(tokens[i + 1])])
+                    i += 2 + int(tokens[i + 1])
+                else:
+                    channels.append([])
                 stack.append(len(names) - 1)
             elif tok == "}":
-                if not stack:
-                    raise broken("unbalanced '}'")
                 stack.pop()
                 i += 1
             else:
-                raise broken(f"unexpected token {tok!r}")
+                raise ValueError(f"unexpected token {tok!r}")
         if stack or not names:
-            raise broken("unbalanced braces" if stack else "no joints")
-        if tokens[i + 1] != "Frames:" or tokens[i + 3:i + 5] != ["Frame", "Time:"]:
-            raise broken("MOTION lacks 'Frames:' / 'Frame Time:'")
-        n_frames, frame_time = int(tokens[i + 2]), float(tokens[i + 5])
+            raise ValueError("unbalanced braces" if stack else "no joints")
+        n_frames, frame_time = int(tokens[i + 2]), float(tokens[i + 5])  # MOTION Frames: n Frame Time: dt
         values = np.array(tokens[i + 6:], dtype=np.float64)
     except (IndexError, ValueError) as e:
-        raise broken(f"truncated or malformed ({type(e).__name__}: {e})") from None
+        raise InputError(path, f"broken BVH hierarchy ({type(e).__name__}: {e})") from None
     n_chan = sum(len(c) for c in channels)
     if n_frames <= 0 or values.size != n_frames * n_chan:
         raise InputError(path, f"BVH motion has {values.size} numbers, expected {n_frames} frames x {n_chan} "
@@ -718,10 +653,8 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
         for c in chans:  # rotations compose in the listed order (intrinsic), positions replace the offset
             if c.endswith("rotation"):
                 local_q = quat_mul(local_q, quat_from_axis_angle(axes[c[0].upper()], torch.deg2rad(motion[:, col])))
-            elif c.endswith("position"):
-                local_p[:, "XYZ".index(c[0].upper())] = motion[:, col]
             else:
-                raise InputError(path, f"unknown BVH channel {c}")
+                local_p[:, "XYZ".index(c[0].upper())] = motion[:, col]
             col += 1
         p = parents[j]
         if p < 0:
@@ -751,22 +684,16 @@ def load_motions(path: pathlib.Path, fmt: str = "auto", fps: float | None = None
     if not path.is_file():
         raise InputError(path, "no such file")
     fmt = detect_format(path) if fmt == "auto" else fmt
+    loaders = dict(g1csv=lambda: load_g1_csv(path, fps, allow_23dof),
+                   mjlab=lambda: load_mjlab_npz(path, fps, allow_23dof),
+                   phc=lambda: load_phc_pkl(path, fps, allow_23dof),
+                   amass=lambda: load_amass_npz(path, fps, smpl_model), bvh=lambda: load_bvh(path, bvh_scale_m, bvh_up))
     try:
-        if fmt == "g1csv":
-            return load_g1_csv(path, fps, allow_23dof)
-        if fmt == "mjlab":
-            return load_mjlab_npz(path, fps, allow_23dof)
-        if fmt == "phc":
-            return load_phc_pkl(path, fps, allow_23dof)
-        if fmt == "amass":
-            return load_amass_npz(path, fps, smpl_model)
-        if fmt == "bvh":
-            return load_bvh(path, bvh_scale_m, bvh_up)
+        return loaders[fmt]()
     except InputError:
         raise
     except (OSError, ValueError, KeyError, IndexError, TypeError, zipfile.BadZipFile, EOFError) as e:
         raise InputError(path, f"cannot read as {fmt} ({type(e).__name__}: {e})") from None
-    raise InputError(path, f"unknown format {fmt!r} (one of {FORMATS})")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -816,26 +743,40 @@ def repair_glitches(dof: np.ndarray, fps: float, max_rad_s: float, max_window_s:
 
 
 def resample_times(n: int, fps_in: float, fps_out: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Output frame k at time k / fps_out lies between source frames i0 and i1 = i0 + 1 at weight w."""
-    n_out = int(np.floor((n - 1) * fps_out / fps_in + 1e-9)) + 1
-    x = np.arange(n_out) * fps_in / fps_out
-    i0 = np.minimum(np.floor(x + 1e-9).astype(np.int64), n - 1)
-    return i0, np.minimum(i0 + 1, n - 1), x - i0
+    """Output frame k, at time k / fps_out (up to the last source frame), lies between source frames i0 and
+    i1 = i0 + 1 at weight w."""
+    dt_out_s = 1.0 / fps_out
+    n_out = int(np.floor((n - 1) / fps_in / dt_out_s + 1e-4)) + 1
+    x = np.minimum(np.arange(n_out) * dt_out_s * fps_in, n - 1)
+    i0 = np.floor(x + 1e-6).astype(np.int64)  # + 1e-6: an output time on a source frame reads that frame exactly
+    return i0, np.minimum(i0 + 1, n - 1), np.clip(x - i0, 0.0, 1.0)
+
+
+def resample(frames: dict, fps_in: float, fps_out: float, quat_keys: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Arrays [T,...] at fps_in -> the same at fps_out (in their own dtype): linear interpolation, slerp for the
+    quaternions named in quat_keys. The one resampler: 30 fps packets here, 50 Hz control ticks in envs.MotionLib."""
+    i0, i1, w = (torch.from_numpy(a) for a in resample_times(len(next(iter(frames.values()))), fps_in, fps_out))
+    out = {}
+    for k, x in frames.items():
+        x = torch.as_tensor(x)
+        wk = w.to(x.dtype).view(-1, *[1] * (x.dim() - 1))
+        out[k] = quat_slerp(x[i0], x[i1], wk[..., 0]) if k in quat_keys else x[i0] + wk * (x[i1] - x[i0])
+    return out
 
 
 def resample_robot(m: RobotMotion, bad: np.ndarray, fps_out: float) -> tuple[RobotMotion, np.ndarray]:
-    """Linear interpolation for positions and joint angles, slerp for the root rotation."""
-    i0, i1, w = resample_times(len(m.dof_pos), m.fps, fps_out)
-    lerp = lambda x: x[i0] + w[:, None] * (x[i1] - x[i0])  # noqa: E731
-    quat = quat_slerp(torch.tensor(m.root_quat[i0]), torch.tensor(m.root_quat[i1]), torch.tensor(w)).numpy()
-    out = RobotMotion(m.name, fps_out, lerp(m.root_pos), quat, lerp(m.dof_pos), m.source, m.notes)
-    return out, bad[i0] | bad[i1]
+    """The motion at fps_out (`resample`); an output frame is bad when either of its source frames is."""
+    out = resample(dict(root_pos=m.root_pos, root_quat=m.root_quat, dof_pos=m.dof_pos), m.fps, fps_out, ("root_quat",))
+    i0, i1, _ = resample_times(len(m.dof_pos), m.fps, fps_out)
+    return RobotMotion(m.name, fps_out, **{k: v.numpy() for k, v in out.items()}, source=m.source, notes=m.notes), \
+        bad[i0] | bad[i1]
 
 
-def segment_bounds(n: int, fps: float, min_s: float = 2.0, max_s: float = 10.0) -> list[tuple[int, int]]:
+def segment_bounds(n: int, fps: float, min_s: float = 2.0, max_s: float = 10.0, where: str = "clip"
+                   ) -> list[tuple[int, int]]:
     """Split n frames into the fewest equal segments of at most max_s seconds (paper: clips of 2-10 s)."""
     if n < min_s * fps:
-        raise ValueError(f"too short: {n / fps:.2f} s after cleaning (< {min_s:g} s)")
+        raise InputError(where, f"too short: {n / fps:.2f} s after cleaning (< {min_s:g} s)")
     k = int(np.ceil(n / (max_s * fps) - 1e-9))
     edges = np.round(np.linspace(0, n, k + 1)).astype(int)
     return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
@@ -941,11 +882,6 @@ def write_atomic(path: str | os.PathLike, writer) -> pathlib.Path:
 def save_packet(path: str | os.PathLike, packet: dict) -> pathlib.Path:
     """Write a packet (robot, or kind='human_keypoints') as an uncompressed .npz: float arrays as float32, names as
     string arrays, text/source/license as strings."""
-    path = pathlib.Path(path)
-    required = HUMAN_KEYS if packet.get("kind") == "human_keypoints" else PACKET_KEYS
-    missing = [k for k in required if k not in packet]
-    if missing:
-        raise ValueError(f"{path}: packet lacks {missing}")
     arrays = {}
     for k, v in packet.items():
         v = np.asarray(v)
@@ -1096,10 +1032,7 @@ def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: Clip
     quat = clean_quaternions(_where(m), m.root_quat)
     dof, report.glitch_frames, bad = repair_glitches(m.dof_pos, m.fps, args.glitch_rad_s, args.glitch_window_s)
     m, bad = resample_robot(RobotMotion(m.name, m.fps, m.root_pos, quat, dof, m.source, m.notes), bad, FPS)
-    try:
-        bounds = segment_bounds(len(m.dof_pos), FPS, args.min_s, args.max_s)
-    except ValueError as e:
-        raise InputError(_where(m), str(e)) from None
+    bounds = segment_bounds(len(m.dof_pos), FPS, args.min_s, args.max_s, _where(m))
     lo, hi = kin.dof_lower_rad.numpy(), kin.dof_upper_rad.numpy()
     excess = np.maximum(lo - m.dof_pos, m.dof_pos - hi).max(axis=1)
     beyond_limits = excess > args.limit_tol_rad
@@ -1123,12 +1056,8 @@ def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: Clip
 def convert_human(m: HumanMotion, kin: G1Kinematics, args: Convert, report: ClipReport) -> None:
     """Resample a human clip, scale it to the G1 as SSJR keypoints, segment, write keypoint command files."""
     _check_finite(_where(m), joints=m.joints)
-    i0, i1, w = resample_times(len(m.joints), m.fps, FPS)
-    joints = m.joints[i0] + w[:, None, None] * (m.joints[i1] - m.joints[i0])
-    try:
-        bounds = segment_bounds(len(joints), FPS, args.min_s, args.max_s)
-    except ValueError as e:
-        raise InputError(_where(m), str(e)) from None
+    joints = resample(dict(joints=m.joints), m.fps, FPS)["joints"].numpy()
+    bounds = segment_bounds(len(joints), FPS, args.min_s, args.max_s, _where(m))
     keypoints, root_pos, root_quat = human_to_g1_keypoints(kin, joints)
     meta = dict(fps=FPS, kind="human_keypoints", keypoint_names=KEYPOINT_NAMES, text=args.text, source=m.source,
                 license=_license(pathlib.Path(m.source), args.license))
@@ -1245,7 +1174,7 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
     out_path = pathlib.Path(out_path)
     suffix = out_path.suffix.lower()
     if suffix not in (".png", ".mp4", ".gif"):
-        raise ValueError(f"{out_path}: render to .png, .mp4 or .gif")
+        raise InputError(out_path, "render to .png, .mp4 or .gif")
     body_pos = np.asarray(body_pos, dtype=np.float64)
     points, edges, colors = _skeleton(body_pos)
     everything = points if extra_points is None else np.concatenate((points, extra_points), axis=1)
