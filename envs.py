@@ -279,18 +279,15 @@ DEFAULT_STANCE_RAD = {"hip_pitch": -0.31, "knee": 0.67, "ankle_pitch": -0.36, "s
                       "left_shoulder_roll": 0.2, "right_shoulder_roll": -0.2}
 
 
-def default_stance() -> np.ndarray:
-    return np.array([next((v for k, v in DEFAULT_STANCE_RAD.items() if name.endswith(k + "_joint")), 0.0)
-                     for name in ssjr.DOF_NAMES], np.float32)
-
-
 def keypoints_to_packet(cmd: dict) -> dict:
     """A human keypoint command (ssjr.py, from BVH/AMASS) as a reference the env can run: the robot's bodies are the
     default stance placed at the command's root pose, with the SSJR keypoint bodies replaced by the command's points.
     Only the keypoints are meaningful: use info['metrics']['keypoint_err_m'] to score such motions."""
     kin = ssjr.G1Kinematics()
     t = len(cmd["keypoints_w"])
-    dof = np.broadcast_to(default_stance(), (t, 29)).copy()
+    stance = [next((v for k, v in DEFAULT_STANCE_RAD.items() if name.endswith(k + "_joint")), 0.0)
+              for name in ssjr.DOF_NAMES]
+    dof = np.broadcast_to(np.array(stance, np.float32), (t, 29)).copy()
     root_pos = cmd["keypoints_w"][:, ssjr.KEYPOINT_NAMES.index("pelvis")]
     pos, quat = kin.forward(torch.as_tensor(root_pos), torch.as_tensor(cmd["root_quat_w"]), torch.as_tensor(dof))
     pos = pos.numpy().copy()
@@ -569,6 +566,8 @@ class IsaacLabSim:
         self._dof_inv = torch.argsort(self._dof_perm)
         self._body_perm = torch.tensor([bodies.index(n) for n in self.body_names], device=self.device)
         self._torso_isaac = bodies.index(_TORSO)
+        # element i: the Isaac Lab index of MuJoCo joint / body i (q_mujoco = q_isaac[:, isaac_index_of_dof])
+        self.isaac_index_of_dof, self.isaac_index_of_body = self._dof_perm, self._body_perm
 
     def _bind_shapes(self) -> None:
         """Ground friction -> 0 (contact friction = max of the pair = the foot's); bind the foot shapes' mu."""
@@ -592,16 +591,6 @@ class IsaacLabSim:
         return torch.as_tensor(env_ids, device=self.device).to(torch.int32)
 
     # ----- the contract -----
-    @property
-    def isaac_index_of_dof(self) -> torch.Tensor:
-        """Element i = Isaac Lab joint index of MuJoCo joint i (`q_mj = q_isaac[:, isaac_index_of_dof]`)."""
-        return self._dof_perm
-
-    @property
-    def isaac_index_of_body(self) -> torch.Tensor:
-        """Element i = Isaac Lab body index of MuJoCo body i."""
-        return self._body_perm
-
     def step(self, tau_Nm: torch.Tensor) -> None:
         """Apply joint torques [N,29] (MuJoCo order) for one physics step, then advance one step."""
         self.robot.actuators.target_command.set_effort_index(
@@ -1020,9 +1009,8 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
              terrain_seed: int | None = None) -> TrackingEnv:
     """Build the tracking env on `sim` ("isaaclab" | "genesis"). `motions`: packet folder/file/list; the held-out
     test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation).
-    performance_mode (Genesis): kernels compiled for this exact num_envs, about 2x faster CPU physics (measured,
-    32 envs); it compiles at every start (~70 s on 2 cores); one mode per process. terrain_seed: the heightfield's
-    seed (default: seed)."""
+    performance_mode (Genesis): kernels compiled for this exact num_envs (faster CPU physics, a longer compile at every
+    start; one mode per process). terrain_seed: the heightfield's seed (default: seed)."""
     if num_envs < 1:
         raise InputError("--num-envs", f"must be at least 1, got {num_envs}")
     if sim not in ("genesis", "isaaclab"):

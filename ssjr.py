@@ -66,18 +66,14 @@ def g1_mjcf_path() -> pathlib.Path:
         if subprocess.run(cmd).returncode != 0:
             raise RuntimeError(f"could not download {MJLAB_WHEEL} from PyPI to get the G1 model; "
                                f"place the unitree_g1 folder of that wheel at {ASSETS / 'unitree_g1'}")
-        wheel = next(pathlib.Path(tmp).glob("mjlab-*.whl"))
         prefix = "mjlab/asset_zoo/robots/unitree_g1/"
         ASSETS.mkdir(exist_ok=True)
         staging = pathlib.Path(tempfile.mkdtemp(dir=ASSETS))
-        with zipfile.ZipFile(wheel) as zf:
-            for name in zf.namelist():
-                if name.startswith(prefix + "xmls/") and not name.endswith("/"):
-                    target = staging / name[len(prefix):]
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(zf.read(name))
+        with zipfile.ZipFile(next(pathlib.Path(tmp).glob("mjlab-*.whl"))) as zf:
+            zf.extractall(staging, [n for n in zf.namelist() if n.startswith(prefix + "xmls/")])
         try:
-            staging.rename(ASSETS / "unitree_g1")  # atomic: a half-extracted model is never visible
+            (staging / prefix).rename(ASSETS / "unitree_g1")  # atomic: a half-extracted model is never visible
+            shutil.rmtree(staging)
         except OSError:  # another process (e.g. an env worker) got there first: keep its copy
             shutil.rmtree(staging)
             if not xml.exists():
@@ -421,7 +417,7 @@ def detect_format(path: pathlib.Path) -> str:
     if all(c in b"0123456789.,-+eE \t\r\ninfaINFA" for c in head):
         return "g1csv"
     if head[:1] == b"\x80" or head[:2] in (b"\x78\x9c", b"\x78\x01", b"\x78\xda", b"\x1f\x8b", b"BZ") or \
-            head[:4] in (b"\xfd7zX", b"\x04\x22\x4d\x18"):
+            head[:4] in (b"\xfd7zX", b"\x04\x22\x4d\x18"):  # a pickle, raw or compressed by joblib
         return "phc"
     raise InputError(path, "unrecognized content (expected G1 CSV, mjlab/AMASS npz, PHC pkl or BVH)")
 
