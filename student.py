@@ -4,16 +4,14 @@
     torchrun --standalone --nproc_per_node 2 student.py --preset cpu --teacher-ckpt t.pt   # 2 CPU cores: 2 ranks
     python student.py --preset cpu --resume runs/<run>/student.pt      # continue (only --total-env-steps may change)
     python student.py export --ckpt runs/<run>/student.pt --onnx student.onnx
-    python student.py play --ckpt runs/<run>/student.pt --motions data/keypoints/cmu_bvh/131_01_seg00.npz
+    python evaluate.py --ckpt runs/<run>/student.pt --motions data/keypoints/cmu_bvh --settings genesis   # play
 
 Student. alpha_2 = f2(m_t, s_sparse, g_t, Y_sparse) sees only what the robot has: s_sparse = `student_proprio` (joint
 positions and velocities, IMU angular velocity and projected gravity, last PD target; steps t-7..t), the terrain context
 g_t, the SSJR sparse keypoint command Y_sparse = `student_keypoints` (root-relative keypoints at t-7..t+2: 8 past + 2
-future steps; ssjr.keypoint_command) and m_t, the HCDR token over the (s, alpha) history H_t. The backbone is the teacher's
-(teacher.TokenPolicy, the teacher's sizes unless overridden): one token per proprio step and per keypoint step, a terrain
-token, the HCDR token, a transformer encoder, token 0 (the current sparse state) -> MLP head. The student cannot see
-the reference joint positions the teacher's residual action is centred on, so it outputs the absolute PD target
-alpha.
+future steps; ssjr.keypoint_command) and m_t, the HCDR token over the (s, alpha) history H_t. The backbone is the
+teacher's (teacher.TokenPolicy, the teacher's sizes unless overridden). The student cannot see the reference joint
+positions the teacher's residual action is centred on, so it outputs the absolute PD target alpha.
 
 Online DAgger. Each iteration the student drives `num_envs` x `num_steps` control steps (with probability beta per env
 and step the executed action is the teacher's instead; beta = beta_0 * beta_decay^(iteration-1), default 0 as in the
@@ -23,18 +21,17 @@ loss = MSE(alpha_2, alpha_1), `update_epochs` passes of minibatches.
 
 Choices where the paper is silent:
 - Nominal pose: TokenPolicy zero-initializes its head, so the student adds a fixed bias alpha_0 = the mean reference
-  joint position of its training motions (the motion library's average pose). An untrained student then holds the
-  clips' average (standing) pose instead of all joints at 0 rad, and the first labels come from upright states. alpha_0
-  is a buffer of the model: saved in checkpoints and folded into the ONNX graph.
+  joint position of its training motions. An untrained student then holds the clips' average (standing) pose instead
+  of all joints at 0 rad, and the first labels come from upright states. alpha_0 is a buffer of the model: saved in
+  checkpoints and folded into the ONNX graph.
 - HCDR (paper: one shared module, the student "uses the same temporal memory embedding m_t"): by default the student's
   m_t is the teacher's HCDR (and history normalizer), frozen, over the same history H_t. --hcdr finetune trains it on
   with the DAgger loss, --hcdr scratch gives the student its own (the ablation), --hcdr none none at all.
-- Observation noise: the env's, part of its DR (envs.DR: one draw per sensor reading, carried through the stacks and
-  the history); the student and its teacher read the same noisy readings, the teacher also its clean privileged ones.
-- The env: the teacher checkpoint fixes it (make_env kwargs: observation layout, gains, DR, terrain). The student trains
-  on the teacher's engine unless --sim says otherwise, on the teacher's motions unless --motions says otherwise; the
-  observations the teacher's actor reads must have the layout it was trained on (an error naming the file
-  otherwise; its critic's observation may differ, it plays no part here).
+- Observation noise: the env's, part of its DR (envs.DR); the student and its teacher read the same noisy readings,
+  the teacher also its clean privileged ones.
+- The env: the teacher checkpoint fixes it (make_env kwargs). The student trains on the teacher's engine and motions
+  unless --sim / --motions say otherwise; the observations the teacher's actor reads must have the layout it was
+  trained on (its critic's observation plays no part here).
 """
 from __future__ import annotations
 
@@ -42,15 +39,12 @@ import contextlib
 import dataclasses
 import json
 import pathlib
-import random
-import signal
 import sys
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn as nn
 import tyro
@@ -59,27 +53,24 @@ import envs
 import ssjr
 import teacher
 from ssjr import InputError
-from teacher import (all_ranks, all_reduce_grads, any_rank, broadcast_from_rank0, build_env, check_layout,
-                     checkpoint_args, dist, init_distributed, load_checkpoint, load_weights, log_scalars,
-                     rng_of_all_ranks, save_checkpoint, saved_rng, set_rng_states, setup_device)
+from teacher import (all_reduce_grads, any_rank, broadcast_from_rank0, build_env, check_layout, checkpoint_args, dist,
+                     load_checkpoint, log_iteration, open_run_dir, restore, rng_of_all_ranks, run_session,
+                     save_checkpoint, saved_rng, start_run)
 
 
 @dataclass
-class Args:
-    preset: str = "paper"
-    """'paper' (defaults below: the teacher's sizes and the authors' DAgger settings, GPU) or 'cpu' (small, minutes)"""
+class Args(teacher.RunArgs):
+    """Online DAgger distillation of a teacher.py checkpoint into the deployable student."""
+    # teacher.RunArgs' fields with the student's defaults
+
+    exp_name: str = "student"
+    num_envs: int = 256
+    total_env_steps: int = 100_000_000
+    minibatch_size: int = 2048
+    update_epochs: int = 6
+    max_grad_norm: float = 1.0
     teacher_ckpt: str = ""
     """the frozen teacher (teacher.py checkpoint); it also fixes the env configuration"""
-    exp_name: str = "student"
-    """name of this experiment (run folder prefix)"""
-    seed: int = 0
-    """seed of torch, numpy, random and the env (rank r of a torchrun job uses seed + r)"""
-    device: str = "cuda"
-    """torch / simulation device (no silent fallback: cuda without a GPU is an error; --device cpu runs on purpose)"""
-    amp: bool = False
-    """bf16 autocast of the student's and the teacher's forward passes (CUDA; fp32 matmuls use TF32 there anyway)"""
-    torch_threads: int = 0
-    """intra-op CPU threads of torch (0: torch's default)"""
     sim: str = ""
     """engine to distil on: isaaclab | genesis ('' = the teacher's)"""
     motions: str = ""
@@ -87,22 +78,8 @@ class Args:
     hcdr: Literal["teacher", "finetune", "scratch", "none"] = "teacher"
     """m_t of the student: the teacher's HCDR, frozen (the paper's shared module) | the teacher's, trained on |
     its own from scratch (ablation) | none (the 'w/o HCDR' ablation)"""
-    num_envs: int = 256
-    """parallel environments per rank (torchrun: each process runs this many; a plain run is one rank)"""
-    performance_mode: bool = False
-    """Genesis: kernels compiled for this num_envs (2x faster CPU physics; ~70 s compile at every start)"""
-    total_env_steps: int = 100_000_000
-    """control steps to distil for (all envs together)"""
-    num_steps: int = 32
-    """rollout length per env per iteration"""
-    update_epochs: int = 6
-    """passes over each rollout (mini-epochs)"""
-    minibatch_size: int = 2048
-    """samples per gradient step and rank (the gradients are averaged over the ranks)"""
     lr: float = 2e-5
     """Adam learning rate"""
-    max_grad_norm: float = 1.0
-    """gradient clipping"""
     beta: float = 0.0
     """beta_0: probability that the executed action is the teacher's (0: the student drives from the start)"""
     beta_decay: float = 1.0
@@ -125,12 +102,6 @@ class Args:
     """HCDR token size d_m"""
     hcdr_layers: int | None = None
     """HCDR Q-Former layers"""
-    checkpoint_every: int = 50
-    """iterations between checkpoints"""
-    resume: str = ""
-    """student checkpoint to continue from"""
-    run_dir: str = ""
-    """where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})"""
 
 
 PRESETS = {
@@ -234,33 +205,13 @@ def load_policy(path, device="cpu"):
     """(student policy in eval mode with act(obs) -> alpha [N, 29], checkpoint dict) for evaluation and export."""
     ckpt = load_checkpoint(path, "student")
     policy = StudentPolicy(ckpt["obs_layout"], checkpoint_args(path, ckpt, Args)).to(device)
-    load_weights(path, policy, ckpt["model"])
+    policy.load_state_dict(ckpt["model"])
     return policy.eval(), ckpt
 
 
-def parse_args() -> Args:
-    """`--preset NAME` picks the defaults; every other flag overrides them."""
-    preset = teacher.preset_from_argv(sys.argv[1:])
-    if preset not in PRESETS:
-        raise InputError("--preset", f"unknown preset '{preset}': choose one of {list(PRESETS)}")
-    return tyro.cli(Args, default=PRESETS[preset])
-
-
 def train(args: Args, env=None) -> pathlib.Path:
-    """Online DAgger. `env`: an already built env made from the teacher's env_cfg (tests share one); None builds it."""
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    device, device_info = setup_device(args.device, args.amp)  # within seconds: before any engine or checkpoint
-    rank, world = init_distributed(device)
-    seed = args.seed + rank
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    resume = load_checkpoint(args.resume, "student") if args.resume else None
-    if resume is not None:  # the checkpoint fixes the teacher, the env and the model; only the budget may change
-        args = dataclasses.replace(checkpoint_args(args.resume, resume, Args), total_env_steps=args.total_env_steps,
-                                   resume=args.resume, run_dir=str(pathlib.Path(args.resume).parent),  # its folder
-                                   device=args.device, amp=args.amp)
+    """Online DAgger. `env`: an env already built from the teacher's env_cfg (tests share one); None builds it."""
+    args, resume, device, rank, world = start_run(args, "student")
     teacher_agent, tckpt = load_teacher(args.teacher_ckpt, device)
     args = dataclasses.replace(args, **{k: tckpt["args"][k] for k in MODEL_SIZES if getattr(args, k) is None})
     if resume is not None and resume["teacher"]["global_step"] != tckpt["global_step"]:
@@ -268,17 +219,10 @@ def train(args: Args, env=None) -> pathlib.Path:
                                       f"{resume['teacher']['global_step']:,}, but that file now holds step "
                                       f"{tckpt['global_step']:,} (the teacher run went on): start a new student")
     env_cfg = student_env_cfg(args, tckpt)
-    run_dir = pathlib.Path(args.run_dir or all_ranks(
-        f"runs/{args.exp_name}_{env_cfg['sim']}_{args.seed}_{int(time.time())}", world)[0])  # rank 0's name
-    args.run_dir = str(run_dir)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        print("student configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
-    print(f"  rank {rank} of {world}: {device_info}")
-
+    run_dir = open_run_dir(args, env_cfg["sim"], rank, world)
     own_env = env is None
     if own_env:
-        env = build_env(env_cfg, args.num_envs, device, seed, terrain_seed=args.seed,  # one terrain for all ranks
+        env = build_env(env_cfg, args.num_envs, device, args.seed + rank, terrain_seed=args.seed,  # one terrain
                         performance_mode=args.performance_mode)  # make_env applies it to Genesis only
     rng = saved_rng(resume, device, rank) if resume is not None else None
     if rng is not None:
@@ -294,28 +238,19 @@ def train(args: Args, env=None) -> pathlib.Path:
     global_step, iteration = 0, 0
     if resume is not None:
         check_layout(args.resume, resume["obs_layout"], layout, STUDENT_OBS)
-        load_weights(args.resume, policy, resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        global_step, iteration = resume["global_step"], resume["iteration"]
-        if rng is not None:
-            set_rng_states(rng, device)
-        print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
+        global_step, iteration = restore(resume, args.resume, policy, {"optimizer": optimizer}, rng, device, rank)
     else:
         policy.alpha_0.copy_(env.motions.mean_dof_pos)
         if args.hcdr in ("teacher", "finetune"):
             share_teacher_hcdr(policy, teacher_agent, args.teacher_ckpt, frozen=args.hcdr == "teacher")
     broadcast_from_rank0(policy, world)
     policy.eval()
-
-    from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(run_dir) if rank == 0 else None  # rank 0 alone writes logs and checkpoints
-    ckpt_path = run_dir / "student.pt"
-    finished = {"global_step": global_step, "iteration": iteration,
-                "rng": rng_of_all_ranks(env, device, world)}
+    ckpt_path, first_iteration = run_dir / "student.pt", iteration
+    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_of_all_ranks(env, device, world)}
 
     def checkpoint():
-        """The state after the last finished iteration (a crash mid-iteration saves the weights it has)."""
-        if rank == 0:
+        """The state after the last finished iteration (rank 0 writes it)."""
+        if rank == 0 and finished["iteration"] > first_iteration:
             save_checkpoint(ckpt_path, {
                 "kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
                 "model": policy.state_dict(), "optimizer": optimizer.state_dict(),
@@ -323,10 +258,8 @@ def train(args: Args, env=None) -> pathlib.Path:
                 "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
                 "rng": finished["rng"]})
 
-    stop = {"now": False}
-    # Ctrl-C, or torchrun's SIGTERM: every rank finishes the iteration, saves and exits
-    previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True)) for sig in (signal.SIGINT, signal.SIGTERM)}
-    first_iteration = iteration
+    curves = {"charts/action_mse": "action MSE to the teacher (rad^2)", "charts/gt_err_mm": "g-mpjpe (mm)",
+              "charts/success_rate": "success rate (episodes reaching the clip end)"}
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
     # ALGO LOGIC: storage (the rollout's student inputs and teacher labels)
@@ -337,7 +270,8 @@ def train(args: Args, env=None) -> pathlib.Path:
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
     start_time, start_step = time.time(), global_step
 
-    try:
+    with run_session(run_dir, rank, global_step, checkpoint, policy, curves, "distillation_curve.png") as \
+            (writer, stop), contextlib.closing(env) if own_env else contextlib.nullcontext():
         while global_step + per_iteration <= args.total_env_steps and not any_rank(stop["now"], world, device):
             iteration += 1
             beta = args.beta * args.beta_decay ** (iteration - 1)
@@ -368,7 +302,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             epoch_losses = dagger_update(policy, optimizer, {k: flat(v) for k, v in buf_obs.items()}, flat(labels),
                                          args, amp, world)
 
-            # logging: one host read (means over the ranks, episode sums over all), TensorBoard + one line
+            # logging: one host read (means over the ranks, episode sums over all)
             totals = torch.cat([episode_sums, env.nan_resets.float()[None]])
             if world > 1:
                 dist.all_reduce(step_sums)
@@ -385,50 +319,12 @@ def train(args: Args, env=None) -> pathlib.Path:
                        "losses/dagger_mse": epoch_losses[-1]}
             finished.update(global_step=global_step, iteration=iteration,
                             rng=rng_of_all_ranks(env, device, world))
-            if rank == 0:
-                log_scalars(writer, run_dir, global_step, iteration, scalars)
-                eta_min = (args.total_env_steps - global_step) / max(sps, 1e-6) / 60
-                print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | "
-                      f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | success "
-                      f"{success:.2f} | g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f} | ETA {eta_min:.1f} min",
-                      flush=True)
+            log_iteration(writer, iteration, global_step, args.total_env_steps, scalars,
+                          f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | "
+                          f"success {success:.2f} | g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f}")
             if iteration % args.checkpoint_every == 0:
                 checkpoint()
-    except BaseException:  # a crash keeps what was learnt since the last checkpoint, unless the weights went bad
-        if finished["iteration"] > first_iteration and all(p.isfinite().all() for p in policy.parameters()):
-            checkpoint()
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if writer is not None:
-            writer.close()
-        if own_env:
-            env.close()
-    if finished["iteration"] > first_iteration:
-        checkpoint()
-    if rank == 0 and (run_dir / "metrics.jsonl").exists():  # at least one iteration logged
-        plot_distillation_curve(run_dir)
-        print(f"saved {ckpt_path} and {run_dir / 'distillation_curve.png'}")
     return ckpt_path
-
-
-def plot_distillation_curve(run_dir):
-    """Action MSE to the teacher, success rate and g-mpjpe of the student's rollouts vs env-steps ->
-    run_dir/distillation_curve.png (from metrics.jsonl, see teacher.read_log)."""
-    from matplotlib.figure import Figure
-    log = teacher.read_log(run_dir)
-    fig = Figure(figsize=(9, 3.2))
-    for i, (key, label) in enumerate([("charts/action_mse", "action MSE to the teacher (rad^2)"),
-                                      ("charts/success_rate", "success rate (episodes reaching the clip end)"),
-                                      ("charts/gt_err_mm", "g-mpjpe (mm)")]):
-        ax = fig.add_subplot(1, 3, i + 1)
-        ax.plot(log["global_step"], log[key])
-        ax.set(xlabel="env steps", title=label, yscale="log" if i == 0 else "linear")
-        ax.title.set_fontsize(8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(pathlib.Path(run_dir) / "distillation_curve.png", dpi=110)
 
 
 # --- export: the deployable artefact ---------------------------------------------------------------------------------
@@ -453,8 +349,8 @@ DEPLOY_INPUTS = {
                    "resampled to 50 Hz",
     "root_pos_w": "[N, 3] the robot's pelvis position at t (m), estimated in the command's world frame",
     "root_quat_w": "[N, 4] the robot's pelvis orientation at t (wxyz; only its yaw is used), same frame",
-    "terrain": "[N, 121] pelvis height above the ground on an 11x11 grid, 0.1 m apart, around the pelvis in its heading "
-               "frame (m; flat ground: the pelvis height everywhere)",
+    "terrain": "[N, 121] pelvis height above the ground on an 11x11 grid, 0.1 m apart, around the pelvis in its "
+               "heading frame (m; flat ground: the pelvis height everywhere)",
     "history": "[N, 16, 93] H_t: the last 16 (state, PD target) pairs, each the first 64 numbers of a student_proprio "
                "row and the alpha then chosen",
     "history_mask": "[N, 16] bool, True where the history entry exists (after the episode start)",
@@ -490,114 +386,46 @@ def export(args: Export) -> pathlib.Path:
     inputs = tuple(torch.tensor([v] * 2) if k == "root_quat_w" else
                    torch.zeros(2, *v, dtype=torch.bool if k == "history_mask" else torch.float32)
                    for k, v in shapes.items())
-    out = pathlib.Path(args.onnx)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp.onnx")
-    fastpath = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # TracerWarning / constant-folding notes; parity is tested
-            torch.onnx.export(OnnxPolicy(policy).eval(), inputs, str(tmp), dynamo=False, opset_version=args.opset,
-                              input_names=list(DEPLOY_INPUTS), output_names=["alpha", "student_keypoints"],
-                              dynamic_axes={k: {0: "batch"} for k in (*DEPLOY_INPUTS, "alpha", "student_keypoints")})
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fastpath)
-    model = onnx.load(str(tmp))
-    names = [i.name for i in model.graph.input]  # the history inputs are pruned from an --hcdr none student
     kp, kd, limit = envs.joint_table()
-    meta = {"kind": "hord_student", "inputs": {k: DEPLOY_INPUTS[k] for k in names},
-            "output": "alpha: absolute PD targets [N, 29] rad; tau = kp (alpha - q) - kd qdot at 200 Hz, clamped to "
-                      "effort_limit_nm; student_keypoints: the SSJR command Y_t the policy read",
-            "dof_names": list(ssjr.DOF_NAMES), "keypoint_names": list(ssjr.KEYPOINT_NAMES),
-            "control_dt_s": envs.CONTROL_DT_S, "kp": kp.tolist(), "kd": kd.tolist(), "effort_limit_nm": limit.tolist(),
-            "env_cfg": ckpt["env_cfg"], "global_step": ckpt["global_step"], "source_ckpt": str(args.ckpt)}
-    for k, v in meta.items():
-        model.metadata_props.add(key=k, value=json.dumps(v))
-    onnx.save(model, str(tmp))
-    tmp.replace(out)
+    names = []
+
+    def write(tmp: pathlib.Path):
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TracerWarning / constant-folding notes; parity is tested
+                outputs = ["alpha", "student_keypoints"]
+                torch.onnx.export(OnnxPolicy(policy).eval(), inputs, str(tmp), dynamo=False, opset_version=args.opset,
+                                  input_names=list(DEPLOY_INPUTS), output_names=outputs,
+                                  dynamic_axes={k: {0: "batch"} for k in (*DEPLOY_INPUTS, *outputs)})
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
+        model = onnx.load(str(tmp))
+        names.extend(i.name for i in model.graph.input)  # the history inputs are pruned from an --hcdr none student
+        meta = {"kind": "hord_student", "inputs": {k: DEPLOY_INPUTS[k] for k in names},
+                "output": "alpha: absolute PD targets [N, 29] rad; tau = kp (alpha - q) - kd qdot at 200 Hz, clamped "
+                          "to effort_limit_nm; student_keypoints: the SSJR command Y_t the policy read",
+                "dof_names": list(ssjr.DOF_NAMES), "keypoint_names": list(ssjr.KEYPOINT_NAMES),
+                "control_dt_s": envs.CONTROL_DT_S, "kp": kp.tolist(), "kd": kd.tolist(),
+                "effort_limit_nm": limit.tolist(), "env_cfg": ckpt["env_cfg"], "global_step": ckpt["global_step"],
+                "source_ckpt": str(args.ckpt)}
+        for k, v in meta.items():
+            model.metadata_props.add(key=k, value=json.dumps(v))
+        onnx.save(model, str(tmp))
+
+    out = ssjr.write_atomic(args.onnx, write)
     print(f"wrote {out} (inputs {names}, outputs alpha [N, 29], student_keypoints)")
     return out
 
 
-# --- play: a student driven by any SSJR keypoint command (robot packet or human keypoints) -------------------------
-@dataclass
-class Play:
-    """python student.py play --ckpt runs/<run>/student.pt --motions data/keypoints/cmu_bvh/<file>.npz"""
-    ckpt: str
-    """student checkpoint"""
-    motions: str
-    """command file(s): a human keypoint file (ssjr.py from BVH/AMASS), an SSJR robot packet, or a folder"""
-    sim: str = ""
-    """engine ('' = the checkpoint's)"""
-    dr: bool = False
-    """episode-level domain randomization on (off: nominal dynamics)"""
-    terrain: str = "flat"
-    """flat | smooth_slope | rough_slope"""
-    num_envs: int = 1
-    """parallel episodes (env i plays file i mod the number of files from its first frame)"""
-    seed: int = 0
-    """env seed"""
-    device: str = "cpu"
-    """torch / simulation device"""
-    torch_threads: int = 1
-    """intra-op CPU threads of torch"""
-
-
-def rollout_episodes(env, policy, obs: dict) -> list[dict]:
-    """Run `policy` from `obs` (freshly reset envs) until every env has finished one episode; per env: steps, mean
-    keypoint error, mean g-mpjpe, failed (ended by the env's failure test: a fall or a body > 0.5 m off the command),
-    success (reached the clip end). The keypoint error (info['metrics']['keypoint_err_m']: mean distance of the SSJR
-    keypoint bodies to the commanded keypoints) is the meaningful score of a human keypoint command, whose other
-    bodies are filler."""
-    n = env.num_envs
-    kp_sum, gt_sum = torch.zeros(n), torch.zeros(n)
-    steps = torch.zeros(n, dtype=torch.long)
-    result: list[dict | None] = [None] * n
-    while any(r is None for r in result):
-        with torch.no_grad():  # not inference_mode: the env keeps tensors from this step in its state
-            obs, _, done, info = env.step(policy.act(obs))
-        live = torch.tensor([r is None for r in result])
-        kp_sum += torch.where(live, info["metrics"]["keypoint_err_m"].cpu(), 0.0)
-        gt_sum += torch.where(live, info["metrics"]["gt_err_m"].cpu(), 0.0)
-        steps += live.long()
-        for i in (done.cpu() & live).nonzero().flatten().tolist():
-            result[i] = {"env": i, "clip": int(info["clip"][i]), "steps": int(steps[i]),
-                         "keypoint_err_m": float(kp_sum[i] / steps[i]), "g_mpjpe_m": float(gt_sum[i] / steps[i]),
-                         "failed": bool(info["failed"][i]), "success": bool(info["time_out"][i])}
-    return result
-
-
-def play(args: Play) -> list[dict]:
-    """Drive the student with a command file and report the keypoint tracking error and the failures (falls)."""
-    torch.set_num_threads(args.torch_threads)
-    policy, ckpt = load_policy(args.ckpt, args.device)
-    overrides = dict(motions=args.motions, dr="default" if args.dr else None, terrain=args.terrain, start="frame0",
-                     exclude_test=False)
-    if args.sim:
-        overrides["sim"] = args.sim
-    env = build_env(ckpt["env_cfg"], args.num_envs, args.device, args.seed, **overrides)
-    obs = env.reset()
-    check_layout(args.ckpt, ckpt["obs_layout"], env.obs_layout, STUDENT_OBS)
-    episodes = rollout_episodes(env, policy, obs)
-    names = env.motions.names
-    print(f"{'env':>4} {'command':<28}{'steps':>6}{'keypoint err mm':>17}{'failed':>8}")
-    for e in episodes:
-        print(f"{e['env']:>4} {names[e['clip']]:<28}{e['steps']:>6}{1000 * e['keypoint_err_m']:>17.0f}"
-              f"{'yes' if e['failed'] else 'no':>8}")
-    print(f"keypoint error {1000 * np.mean([e['keypoint_err_m'] for e in episodes]):.0f} mm | failures (falls) "
-          f"{sum(e['failed'] for e in episodes)}/{len(episodes)}")
-    return episodes
-
-
 if __name__ == "__main__":
-    commands = {"export": (Export, export), "play": (Play, play)}
     try:
-        if len(sys.argv) > 1 and sys.argv[1] in commands:
-            spec, run = commands[sys.argv.pop(1)]
-            run(tyro.cli(spec))
+        if sys.argv[1:2] == ["export"]:
+            sys.argv.pop(1)
+            export(tyro.cli(Export))
         else:
-            train(parse_args())
+            train(teacher.parse_args(PRESETS))
     except InputError as e:
         sys.exit(f"error: {e}")
     finally:

@@ -10,12 +10,13 @@ The policy reads one token per stacked proprio step (5), one per future referenc
 the HCDR token m_t; a transformer encoder mixes them and the output of token 0 (the current state s_t) goes through an
 MLP head to 29 action means. The action is a residual around the next reference joint positions:
 alpha = q_ref(t+1) + action_scale * a. The critic is a separate MLP on the privileged critic observation (which
-includes psi).
+includes psi). The run plumbing (RunArgs, start_run, run_session, log_iteration, checkpoints, torchrun helpers) is
+shared with student.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import os
 import pathlib
 import random
@@ -36,11 +37,11 @@ from hcdr import HCDR
 from ssjr import InputError
 
 
-
 @dataclass
-class Args:
+class RunArgs:
+    """The settings of a training run, shared with student.Args (which has its own defaults)."""
     preset: str = "paper"
-    """'paper' (defaults below: the paper's sizes, GPU) or 'cpu' (small, runs here in minutes)"""
+    """'paper' (the defaults below: the paper's configuration, GPU) or 'cpu' (small, runs on a CPU in minutes)"""
     exp_name: str = "teacher"
     """name of this experiment (run folder prefix)"""
     seed: int = 0
@@ -48,22 +49,9 @@ class Args:
     device: str = "cuda"
     """torch / simulation device (no silent fallback: cuda without a GPU is an error; --device cpu runs on purpose)"""
     amp: bool = False
-    """bf16 autocast of the learner's forward passes (CUDA; fp32 matmuls use TF32 there anyway)"""
+    """bf16 autocast of the forward passes (CUDA; fp32 matmuls use TF32 there anyway)"""
     torch_threads: int = 0
     """intra-op CPU threads of torch (0: torch's default)"""
-    sim: str = "isaaclab"
-    """simulator: isaaclab (the paper's training engine) or genesis"""
-    motions: str = "data/packets/g1_moves"
-    """SSJR packet folder or file (the held-out test clips are excluded)"""
-    terrain: str = "mix"
-    """flat | smooth_slope | rough_slope | mix (paper: 0.5 flat, 0.25 each slope)"""
-    start: str = "random"
-    """episode starts: 'random' (uniform clip and tick) or 'adaptive' (more starts just before where episodes fail:
-    envs.AdaptiveStarts)"""
-    no_dr: bool = False
-    """the 'w/o DR' ablation: nominal dynamics every episode"""
-    no_hcdr: bool = False
-    """the 'w/o HCDR' ablation: no history token"""
     num_envs: int = 4096
     """parallel environments per rank (torchrun: each process runs this many; a plain run is one rank)"""
     performance_mode: bool = False
@@ -73,9 +61,32 @@ class Args:
     num_steps: int = 32
     """rollout length per env per iteration"""
     minibatch_size: int = 16384
-    """samples per gradient step and rank (paper 'batch 16384'; the gradients are averaged over the ranks)"""
+    """samples per gradient step and rank (the gradients are averaged over the ranks; the paper's teacher: 16384)"""
     update_epochs: int = 1
-    """passes over each rollout (paper 'mini-epochs 1')"""
+    """passes over each rollout (the paper's 'mini-epochs')"""
+    max_grad_norm: float = 50.0
+    """gradient clipping"""
+    checkpoint_every: int = 50
+    """iterations between checkpoints"""
+    resume: str = ""
+    """checkpoint of this script to continue from (only --total-env-steps and the device may change)"""
+    run_dir: str = ""
+    """where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})"""
+
+
+@dataclass
+class Args(RunArgs):
+    """PPO training of the HoRD teacher."""
+    sim: str = "isaaclab"
+    """simulator: isaaclab (the paper's training engine) or genesis"""
+    motions: str = "data/packets/g1_moves"
+    """SSJR packet folder or file (the held-out test clips are excluded)"""
+    terrain: str = "mix"
+    """flat | smooth_slope | rough_slope | mix (paper: 0.5 flat, 0.25 each slope)"""
+    no_dr: bool = False
+    """the 'w/o DR' ablation: nominal dynamics every episode"""
+    no_hcdr: bool = False
+    """the 'w/o HCDR' ablation: no history token"""
     actor_lr: float = 2e-5
     """actor learning rate"""
     critic_lr: float = 1e-4
@@ -88,8 +99,6 @@ class Args:
     """PPO clip range"""
     vf_coef: float = 1.0
     """value loss weight"""
-    max_grad_norm: float = 50.0
-    """gradient clipping"""
     desired_kl: float = 0.0
     """> 0: before each actor step, scale the lr by 1/1.5 (KL > 2x this) or 1.5 (KL < this/2) (rsl_rl); 0: fixed"""
     log_std: float = -2.9
@@ -116,12 +125,6 @@ class Args:
     """HCDR token size d_m"""
     hcdr_layers: int = 2
     """HCDR Q-Former layers"""
-    checkpoint_every: int = 50
-    """iterations between checkpoints"""
-    resume: str = ""
-    """checkpoint to continue from"""
-    run_dir: str = ""
-    """where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})"""
 
 
 PRESETS = {
@@ -172,12 +175,8 @@ class RunningNorm(nn.Module):
 
 
 def mlp(sizes, act=nn.ELU, last_act=False):
-    layers = []
-    for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2 or last_act:
-            layers.append(act())
-    return nn.Sequential(*layers)
+    layers = [m for i in range(len(sizes) - 1) for m in (nn.Linear(sizes[i], sizes[i + 1]), act())]
+    return nn.Sequential(*(layers if last_act else layers[:-1]))
 
 
 class TokenPolicy(nn.Module):
@@ -320,15 +319,6 @@ def checkpoint_args(path, ckpt: dict, cls):
     return cls(**ckpt["args"])
 
 
-def load_weights(path, module: nn.Module, state: dict):
-    """load_state_dict with an error that names the checkpoint."""
-    try:
-        module.load_state_dict(state)
-    except RuntimeError as e:
-        detail = (str(e).splitlines()[1:] or [str(e)])[0].strip()[:200]  # the first complaint, e.g. a size mismatch
-        raise InputError(path, f"the weights do not fit the model its settings build ({detail})") from None
-
-
 def check_layout(path, expected: dict, found: dict, keys):
     """A checkpoint is only valid for the observation layout it was trained on."""
     for k in keys:
@@ -337,44 +327,40 @@ def check_layout(path, expected: dict, found: dict, keys):
                                    f"env gives {found.get(k)} (different env version or settings)")
 
 
-def rng_states(device) -> dict:
-    """The learner's random streams (policy sampling, minibatch order) for an exact --resume."""
-    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def set_rng_states(states: dict, device):
-    torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
-    random.setstate(states["python"])
-    if device.type == "cuda" and "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"], device)
-
-
 def saved_rng(resume: dict, device, rank: int) -> dict | None:
-    """--resume: this rank's learner and env random states (the env's clip/psi/push stream continues where it was).
-    None for a rank the checkpoint has no state for (more ranks than it was written with) or another device type (a
-    generator's state does not fit another device's generator): that rank keeps its fresh seed + rank streams."""
-    states = resume["rng"]
-    if rank < len(states) and torch.device(resume["args"]["device"]).type == device.type:
+    """--resume: this rank's learner and env random states. None (fresh seed + rank streams) for a rank the checkpoint
+    has no state for (more ranks than it was written with) or another device type (whose generators differ)."""
+    states, saved_on = resume["rng"], resume["args"]["device"]
+    if rank < len(states) and torch.device(saved_on).type == device.type:
         return states[rank]
-    print(f"rank {rank}: the checkpoint ({len(states)} ranks, {resume['args']['device']}) has no random state for it "
-          f"on {device.type}: its streams restart from the seed")
-    return None
+    print(f"rank {rank}: the checkpoint ({len(states)} ranks, {saved_on}) has no random state for it on {device.type}: "
+          f"its streams restart from the seed")
+
+
+def restore(resume: dict, path, model: nn.Module, optimizers: dict, rng: dict | None, device, rank: int):
+    """--resume: the weights, the optimizer states ({checkpoint key: optimizer}) and this rank's learner random
+    streams; returns (global_step, iteration)."""
+    model.load_state_dict(resume["model"])
+    for key, optimizer in optimizers.items():
+        optimizer.load_state_dict(resume[key])
+    if rng is not None:
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    print(f"rank {rank}: resumed from {path} at step {resume['global_step']:,} (iteration {resume['iteration']})")
+    return resume["global_step"], resume["iteration"]
 
 
 def env_kwargs(args) -> dict:
     """The make_env settings a checkpoint fixes."""
-    return dict(sim=args.sim, motions=args.motions, terrain=args.terrain, dr=None if args.no_dr else "default",
-                start=args.start)
+    return dict(sim=args.sim, motions=args.motions, terrain=args.terrain, dr=None if args.no_dr else "default")
 
 
 def robot_motions(motions: str) -> str | list[str]:
     """--motions for a teacher, whose reward and observations need the robot's bodies and joints: human keypoint
-    commands in a folder are skipped (and named), leaving the list of the robot motions; a file or folder of nothing
-    else is an error."""
+    commands in a folder are skipped (and named); a file or folder of nothing else is an error."""
     paths = envs.resolve_motions(motions)
     human = [p for p in paths if ssjr.packet_kind(p) == "human_keypoints"]
     if len(human) == len(paths):
@@ -396,31 +382,9 @@ def build_env(cfg: dict, num_envs: int, device, seed: int, **overrides):
 def load_policy(path, device="cpu"):
     """(teacher Agent in eval mode, checkpoint dict) for evaluation and distillation."""
     ckpt = load_checkpoint(path, "teacher")
-    args = checkpoint_args(path, ckpt, Args)
-    agent = Agent(ckpt["obs_layout"], args).to(device)
-    load_weights(path, agent, ckpt["model"])
+    agent = Agent(ckpt["obs_layout"], checkpoint_args(path, ckpt, Args)).to(device)
+    agent.load_state_dict(ckpt["model"])
     return agent.eval(), ckpt
-
-
-def setup_device(name: str, amp: bool) -> tuple[torch.device, str]:
-    """The torch device, checked before anything is built, and a line describing it. CUDA asked for but absent is an
-    error, not a silent CPU run. On CUDA, fp32 matmuls and convolutions use TF32; the CPU path stays exact fp32."""
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:  # torchrun: one GPU per process on this node
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if device.type != "cuda":
-        if amp:
-            raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
-        return device, f"CPU ({torch.get_num_threads()} torch threads), torch {torch.__version__}"
-    if not torch.cuda.is_available():
-        raise InputError(f"--device {name}", f"CUDA is not available on this machine (torch {torch.__version__}); "
-                                             f"to run on the CPU on purpose pass --device cpu, or --preset cpu")
-    torch.cuda.set_device(device)
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    torch.backends.cudnn.conv.fp32_precision = "tf32"
-    gpu = torch.cuda.get_device_properties(device)
-    return device, (f"{gpu.name} ({gpu.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA "
-                    f"{torch.version.cuda}, TF32 matmuls, {'bf16 autocast' if amp else 'fp32 activations'}")
 
 
 # --- scale-out: torchrun starts one process (rank) per GPU or CPU core, each with its own env and learner replica ----
@@ -471,63 +435,153 @@ def all_ranks(x, world: int) -> list:
 
 
 def rng_of_all_ranks(env, device, world: int) -> list[dict]:
-    """Every rank's learner and env random states, in rank order (a checkpoint holds them all)."""
-    return all_ranks({**rng_states(device), "env": env.get_rng_state()}, world)
+    """Every rank's learner (policy sampling, minibatch order) and env random states, in rank order: a checkpoint holds
+    them all for an exact --resume."""
+    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+              "env": env.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return all_ranks(states, world)
 
 
-def log_scalars(writer, run_dir, global_step: int, iteration: int, scalars: dict):
-    """One iteration's scalars to TensorBoard and to metrics.jsonl (rank 0)."""
-    for k, v in scalars.items():
-        writer.add_scalar(k, v, global_step)
-    with open(pathlib.Path(run_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"global_step": global_step, "iteration": iteration, **scalars}) + "\n")
+# --- a training run: setup, logging, stop and crash handling (student.py uses these too) ----------------------------
+def parse_args(presets: dict | None = None):
+    """`--preset NAME` picks the defaults (of PRESETS, or of `presets`); every other flag overrides them."""
+    presets, argv = presets or PRESETS, sys.argv[1:]
+    preset = next((a.split("=", 1)[1] for a in argv if a.startswith("--preset=")), "paper")
+    if "--preset" in argv[:-1]:
+        preset = argv[argv.index("--preset") + 1]
+    if preset not in presets:
+        raise InputError("--preset", f"unknown preset '{preset}': choose one of {list(presets)}")
+    return tyro.cli(type(presets["paper"]), default=presets[preset])
 
 
-def preset_from_argv(argv: list[str]) -> str:
-    """The value of `--preset NAME` or `--preset=NAME` ('paper' if absent)."""
-    for i, a in enumerate(argv):
-        if a.startswith("--preset="):
-            return a.split("=", 1)[1]
-        if a == "--preset" and i + 1 < len(argv):
-            return argv[i + 1]
-    return "paper"
-
-
-def parse_args() -> Args:
-    """`--preset NAME` picks the defaults; every other flag overrides them."""
-    preset = preset_from_argv(sys.argv[1:])
-    if preset not in PRESETS:
-        raise InputError("--preset", f"unknown preset '{preset}': choose one of {list(PRESETS)}")
-    return tyro.cli(Args, default=PRESETS[preset])
-
-
-def main(args: Args):
+def start_run(args, kind: str):
+    """Threads, device (checked within seconds, before any engine or checkpoint), process group, seeds (rank r:
+    seed + r), and the --resume checkpoint of `kind`, whose settings replace `args` but for the budget and the device.
+    Returns (args, resume checkpoint or None, device, rank, world)."""
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    device, device_info = setup_device(args.device, args.amp)  # within seconds: before any engine or checkpoint
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # torchrun: one GPU per process on this node
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type != "cuda" and args.amp:
+        raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {args.device}", f"CUDA is not available on this machine (torch "
+                         f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
+    info = f"CPU ({torch.get_num_threads()} torch threads), torch {torch.__version__}"
+    if device.type == "cuda":  # fp32 matmuls and convolutions use TF32; the CPU path stays exact fp32
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        gpu = torch.cuda.get_device_properties(device)
+        info = (f"{gpu.name} ({gpu.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA "
+                f"{torch.version.cuda}, TF32 matmuls, {'bf16 autocast' if args.amp else 'fp32 activations'}")
     rank, world = init_distributed(device)
-    seed = args.seed + rank
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    resume = load_checkpoint(args.resume, "teacher") if args.resume else None
-    if resume is not None:  # the checkpoint fixes the env and the model; only the budget and the device may change
-        args = dataclasses.replace(checkpoint_args(args.resume, resume, Args), total_env_steps=args.total_env_steps,
-                                   resume=args.resume, run_dir=str(pathlib.Path(args.resume).parent),  # its folder
-                                   device=args.device, amp=args.amp)
-    if args.minibatch_size > args.num_envs * args.num_steps:
-        raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
-                                             f"x {args.num_steps} steps)")
-    run_dir = pathlib.Path(args.run_dir or all_ranks(f"runs/{args.exp_name}_{args.sim}_{args.seed}_{int(time.time())}",
-                                                     world)[0])  # rank 0's name
+    print(f"rank {rank} of {world}: {info}")
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    resume = load_checkpoint(args.resume, kind) if args.resume else None
+    if resume is not None:  # the checkpoint fixes the env and the model; the run goes on in its folder
+        args = dataclasses.replace(checkpoint_args(args.resume, resume, type(args)), resume=args.resume,
+                                   run_dir=str(pathlib.Path(args.resume).parent),
+                                   total_env_steps=args.total_env_steps, device=args.device, amp=args.amp)
+    return args, resume, device, rank, world
+
+
+def open_run_dir(args, sim: str, rank: int, world: int) -> pathlib.Path:
+    """--run-dir or runs/{exp_name}_{sim}_{seed}_{time} (rank 0's name on every rank); rank 0 creates it and prints
+    the configuration."""
+    run_dir = pathlib.Path(args.run_dir or all_ranks(f"runs/{args.exp_name}_{sim}_{args.seed}_{int(time.time())}",
+                                                     world)[0])
     args.run_dir = str(run_dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        print("teacher configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
-    print(f"  rank {rank} of {world}: {device_info}")
+        print("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
+    return run_dir
 
+
+@contextlib.contextmanager
+def run_session(run_dir: pathlib.Path, rank: int, global_step: int, checkpoint, model: nn.Module, curves: dict,
+                png: str):
+    """Around a training loop; yields (TensorBoard writer on rank 0, None elsewhere; stop flag). Ctrl-C or torchrun's
+    SIGTERM sets stop['now']: every rank finishes its iteration and leaves the loop. On the way out checkpoint() saves
+    the last finished iteration (after a crash too, unless the weights went bad) and rank 0 plots `curves`."""
+    from torch.utils.tensorboard import SummaryWriter
+    stop = {"now": False}
+    previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # rank 0 alone writes logs; a resumed run hides what was logged after its checkpoint's step
+    writer = SummaryWriter(run_dir, purge_step=global_step + 1) if rank == 0 else None
+    try:
+        yield writer, stop
+    except BaseException:
+        if all(p.isfinite().all() for p in model.parameters()):
+            checkpoint()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if writer is not None:
+            writer.close()
+    checkpoint()
+    if rank == 0 and plot_curves(run_dir, curves, png):
+        print(f"saved the checkpoint, the TensorBoard log and {png} in {run_dir}")
+
+
+def log_iteration(writer, iteration: int, global_step: int, total_env_steps: int, scalars: dict, line: str):
+    """On rank 0 (the one with a writer): the scalars to TensorBoard, and a console line with the throughput
+    (scalars['charts/SPS'], env-steps/s) and the time left."""
+    if writer is None:
+        return
+    for k, v in {**scalars, "iteration": iteration}.items():
+        writer.add_scalar(k, v, global_step)
+    sps = scalars["charts/SPS"]
+    print(f"it {iteration} step {global_step:,}/{total_env_steps:,} | {sps:,.0f} env-steps/s | {line} | ETA "
+          f"{(total_env_steps - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
+
+
+def read_log(run_dir) -> dict[str, list[float]]:
+    """A run's per-iteration scalars from its TensorBoard event files (a resumed run's too), as lists keyed by tag,
+    with the env-steps of each iteration as 'global_step'; {} before the first iteration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()  # 0: keep every iteration
+    log = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return {"global_step": [e.step for e in events.Scalars("iteration")], **log} if log else {}
+
+
+def plot_curves(run_dir, panels: dict[str, str], png: str) -> bool:
+    """The scalars `panels` ({tag: title}) vs env-steps, raw and a moving average over 20 iterations, ->
+    run_dir/png; False if nothing was logged yet."""
+    from matplotlib.figure import Figure
+    log = read_log(run_dir)
+    if not log:
+        return False
+    fig = Figure(figsize=(3 * len(panels), 3.2))
+    for i, (tag, title) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        y = np.asarray(log[tag], dtype=float)
+        ax.plot(log["global_step"], y, alpha=0.35, lw=0.8)
+        if len(y) >= 20:
+            smooth = np.convolve(np.nan_to_num(y, nan=np.nanmean(y)), np.ones(20) / 20, mode="valid")
+            ax.plot(log["global_step"][19:], smooth, lw=1.8)
+        ax.set_xlabel("env steps", fontsize=8)
+        ax.set_title(title, fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(pathlib.Path(run_dir) / png, dpi=110)
+    return True
+
+
+def main(args: Args) -> pathlib.Path:
+    args, resume, device, rank, world = start_run(args, "teacher")
+    if args.minibatch_size > args.num_envs * args.num_steps:
+        raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
+                                             f"x {args.num_steps} steps)")
+    run_dir = open_run_dir(args, args.sim, rank, world)
     env_cfg = {**env_kwargs(args), "motions": robot_motions(args.motions)}  # what the student distils on, too
-    env = build_env(env_cfg, args.num_envs, device, seed, terrain_seed=args.seed,  # one terrain for all
+    env = build_env(env_cfg, args.num_envs, device, args.seed + rank, terrain_seed=args.seed,  # one terrain for all
                     performance_mode=args.performance_mode)  # make_env applies it to Genesis only
     rng = saved_rng(resume, device, rank) if resume is not None else None
     if rng is not None:
@@ -541,34 +595,24 @@ def main(args: Args):
     global_step, iteration = 0, 0
     if resume is not None:
         check_layout(args.resume, resume["obs_layout"], layout, TEACHER_OBS)
-        load_weights(args.resume, agent, resume["model"])
-        actor_opt.load_state_dict(resume["actor_opt"])
-        critic_opt.load_state_dict(resume["critic_opt"])
-        global_step, iteration = resume["global_step"], resume["iteration"]
-        if rng is not None:
-            set_rng_states(rng, device)
-        print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
+        global_step, iteration = restore(resume, args.resume, agent, {"actor_opt": actor_opt, "critic_opt": critic_opt},
+                                         rng, device, rank)
     broadcast_from_rank0(agent, world)
-
-    from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(run_dir) if rank == 0 else None  # rank 0 alone writes logs and checkpoints
-    ckpt_path = run_dir / "teacher.pt"
-    finished = {"global_step": global_step, "iteration": iteration,
-                "rng": rng_of_all_ranks(env, device, world)}
+    ckpt_path, first_iteration = run_dir / "teacher.pt", iteration
+    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_of_all_ranks(env, device, world)}
 
     def checkpoint():
-        """The state after the last finished iteration (a crash mid-iteration saves the weights it has)."""
-        if rank == 0:
+        """The state after the last finished iteration (rank 0 writes it)."""
+        if rank == 0 and finished["iteration"] > first_iteration:
             save_checkpoint(ckpt_path, {
                 "kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
                 "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
                 "critic_opt": critic_opt.state_dict(), "global_step": finished["global_step"],
                 "iteration": finished["iteration"], "world_size": world, "rng": finished["rng"]})
 
-    stop = {"now": False}
-    # Ctrl-C, or torchrun's SIGTERM: every rank finishes the iteration, saves and exits
-    previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True)) for sig in (signal.SIGINT, signal.SIGTERM)}
-    first_iteration = iteration
+    curves = {"charts/success_rate": "success rate (episodes reaching the clip end)",
+              "charts/gt_err_mm": "g-mpjpe (mm)", "charts/episode_length": "episode length (steps of 20 ms)",
+              "charts/episode_return": "episode return"}
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
     # ALGO LOGIC: storage (preallocated rollout buffers)
@@ -581,7 +625,8 @@ def main(args: Args):
     start_time, start_step = time.time(), global_step
     sim_time = 0.0
 
-    try:
+    with run_session(run_dir, rank, global_step, checkpoint, agent, curves, "learning_curve.png") as (writer, stop), \
+            contextlib.closing(env):
         while global_step + per_iteration <= args.total_env_steps and not any_rank(stop["now"], world, device):
             iteration += 1
             # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps or episodes
@@ -640,9 +685,8 @@ def main(args: Args):
                                                                           args.clip_coef)
                     approx_kls.append(approx_kl)
                     clipfracs.append(clipfrac)
-                    # adaptive step size: shrink when the policy moved too far, grow when timid (not on the first
-                    # minibatch: the policy is still the rollout's, its KL is 0). One host read per minibatch; the
-                    # KL is the mean over the ranks, so every rank steps its lr alike.
+                    # adaptive step size (not on the first minibatch: the policy is still the rollout's, KL 0); the
+                    # KL is the mean over the ranks, so every rank steps its lr alike
                     if args.desired_kl > 0 and (epoch > 0 or start > 0):
                         kl = approx_kl.clone()
                         if world > 1:
@@ -667,7 +711,7 @@ def main(args: Args):
             # from every 4th rollout step (consecutive steps are nearly the same states: a quarter of the cost)
             agent.update_norms({k: v[::4] for k, v in buf_obs.items()})
 
-            # logging: one host read of everything (means over the ranks, episode sums over all), TensorBoard + a line
+            # logging: one host read of everything (means over the ranks, episode sums over all)
             on_device = {"charts/mean_reward": rewards.mean(), "losses/policy_loss": pg_loss.detach(),
                          "losses/value_loss": v_loss.detach(), "losses/approx_kl": torch.stack(approx_kls).mean(),
                          "losses/clipfrac": torch.stack(clipfracs).mean(),
@@ -692,61 +736,13 @@ def main(args: Args):
                             **{f"rewards/{k}": v for k, v in zip(envs.REWARD_COEFFS, terms)}})
             finished.update(global_step=global_step, iteration=iteration,
                             rng=rng_of_all_ranks(env, device, world))
-            if rank == 0:
-                log_scalars(writer, run_dir, global_step, iteration, scalars)
-                eta_min = (args.total_env_steps - global_step) / max(sps, 1e-6) / 60
-                print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | reward "
-                      f"{scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
-                      f"{scalars['charts/gt_err_mm']:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets "
-                      f"{nan_resets:.0f} | ETA {eta_min:.1f} min", flush=True)
+            log_iteration(writer, iteration, global_step, args.total_env_steps, scalars,
+                          f"reward {scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
+                          f"{1000 * gt_err_m:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets "
+                          f"{nan_resets:.0f}")
             if iteration % args.checkpoint_every == 0:
                 checkpoint()
-    except BaseException:  # a crash keeps what was learnt since the last checkpoint, unless the weights went bad
-        if finished["iteration"] > first_iteration and all(p.isfinite().all() for p in agent.parameters()):
-            checkpoint()
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if writer is not None:
-            writer.close()
-        env.close()
-    if finished["iteration"] > first_iteration:
-        checkpoint()
-    if rank == 0 and (run_dir / "metrics.jsonl").exists():
-        plot_learning_curve(run_dir)
-        print(f"saved {ckpt_path} and {run_dir / 'learning_curve.png'}")
     return ckpt_path
-
-
-def read_log(run_dir) -> dict[str, list[float]]:
-    """The per-iteration scalars of a run (metrics.jsonl), as lists keyed by name."""
-    rows = [json.loads(line) for line in open(pathlib.Path(run_dir) / "metrics.jsonl")]
-    return {k: [r[k] for r in rows] for k in rows[0]}
-
-
-def plot_learning_curve(run_dir):
-    """Success rate, g-mpjpe, episode length and return of the training episodes vs env-steps (raw and a moving
-    average over 20 iterations) -> run_dir/learning_curve.png."""
-    from matplotlib.figure import Figure
-    log = read_log(run_dir)
-    fig = Figure(figsize=(12, 3.2))
-    panels = [("charts/success_rate", "success rate (episodes reaching the clip end)"), ("charts/gt_err_mm",
-              "g-mpjpe (mm)"), ("charts/episode_length", "episode length (steps of 20 ms)"),
-              ("charts/episode_return", "episode return")]
-    for i, (key, label) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), i + 1)
-        y = np.asarray(log[key], dtype=float)
-        ax.plot(log["global_step"], y, alpha=0.35, lw=0.8)
-        if len(y) >= 20:
-            smooth = np.convolve(np.nan_to_num(y, nan=np.nanmean(y)), np.ones(20) / 20, mode="valid")
-            ax.plot(log["global_step"][19:], smooth, lw=1.8)
-        ax.set_xlabel("env steps", fontsize=8)
-        ax.set_title(label, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(pathlib.Path(run_dir) / "learning_curve.png", dpi=110)
 
 
 if __name__ == "__main__":

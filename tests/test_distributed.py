@@ -1,7 +1,6 @@
 """torch.distributed scale-out (gloo on the CPU): gradient averaging and merged normalizer statistics across 2 ranks
 (fast, no simulator), and, marked slow, the trainers under torchrun: same seed and world size -> same numbers, a
 2-rank checkpoint resumes on 2 ranks and on 1, a failing rank ends the job with its own error."""
-import json
 import os
 import pathlib
 import shutil
@@ -88,7 +87,7 @@ def launch(nproc, script, *flags, expect_ok=True):
 
 
 def first_row(run_dir) -> dict:
-    return json.loads((pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()[0])
+    return {k: v[0] for k, v in teacher.read_log(run_dir).items()}
 
 
 @pytest.mark.slow

@@ -235,12 +235,11 @@ def test_short_distillation_reduces_action_mse(sim_setup, trained):
     torch.nn.init.zeros_(untrained.actor.head[-1].bias)
     before, after = clean_action_mse(env, untrained, agent), clean_action_mse(env, policy, agent)
     assert after < 0.5 * before, (before, after)
-    episodes = student.rollout_episodes(env, policy, env.reset())  # tracking success on the clip (random start times)
-    success = np.mean([e["success"] for e in episodes])
-    assert len(episodes) == N_ENVS and 0.0 <= success <= 1.0
-    assert all(e["success"] != e["failed"] and e["keypoint_err_m"] > 0 for e in episodes)
+    log = teacher.read_log(args.run_dir)  # the rollouts' tracking figures (success: NaN while no episode ended)
+    success, g_mpjpe_mm = log["charts/success_rate"], log["charts/gt_err_mm"]
+    assert all(0.0 <= s <= 1.0 for s in success if s == s) and all(0 < g < 1000 for g in g_mpjpe_mm), log
     print(f"\nrollout action MSE per iteration {np.round(mse, 4).tolist()}; clean MSE {before:.4f} -> {after:.4f}; "
-          f"success {success:.2f}, mean episode {np.mean([e['steps'] for e in episodes]):.0f} steps")
+          f"success {np.round(success, 2).tolist()}, g-mpjpe {np.round(g_mpjpe_mm).tolist()} mm")
     assert ckpt["kind"] == "student" and ckpt["global_step"] == N_ENVS * 24 * 8
     assert ckpt["env_cfg"] == torch.load(t_path, weights_only=False)["env_cfg"]
     assert torch.equal(policy.alpha_0, env.motions.mean_dof_pos)  # nominal pose of the motions
@@ -301,18 +300,6 @@ def test_env_evaluate_and_export_read_one_keypoint_command(train_packet, tmp_pat
         alpha, y_onnx = session.run(None, {k: v.numpy() for k, v in inputs.items()})
         np.testing.assert_allclose(y_onnx, y.numpy(), rtol=0, atol=1e-5)
         np.testing.assert_allclose(alpha, policy.act(obs).numpy(), rtol=0, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_play_on_human_keypoints(trained, tmp_path):
-    bvh = ssjr.DATA_ROOT / "cmu_bvh" / "131_02.bvh"
-    if not bvh.exists():
-        pytest.skip(f"CMU BVH data not found at {bvh} (set HORD_DATA)")
-    ssjr.convert(ssjr.Convert(src=(bvh,), out=tmp_path))
-    command = sorted(tmp_path.glob("*.npz"))[0]
-    assert ssjr.load_packet(command)["kind"] == "human_keypoints"
-    (episode,) = student.play(student.Play(ckpt=str(trained), motions=str(command), num_envs=1))
-    assert episode["steps"] > 0 and np.isfinite(episode["keypoint_err_m"]) and episode["failed"] != episode["success"]
 
 
 def test_a_crash_keeps_the_last_finished_iteration(tmp_path):
