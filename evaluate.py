@@ -79,8 +79,6 @@ PERCENT = {"success", "fell"}  # 0/1 per episode, reported in %
 LOWER_IS_BETTER = {"g_mpjpe_mm", "mpjpe_mm", "gr_err_rad", "gr_err_deg", "keypoint_err_mm", "fell"}
 TABLE1_METRICS = (("success", "Succ. (%)↑"), ("g_mpjpe_mm", "g-mpjpe (mm)↓"), ("mpjpe_mm", "mpjpe (mm)↓"))
 KEYPOINT_TABLE = (("keypoint_err_mm", "keypoint err (mm)↓"), ("fell", "falls (%)↓"))
-AXIS_LABELS = {"success": "strict success (%)", "fell": "falls (%)", "g_mpjpe_mm": "g-mpjpe (mm)",
-               "mpjpe_mm": "mpjpe (mm)", "keypoint_err_mm": "keypoint error (mm)"}
 ROBOT, HUMAN_KEYPOINTS = "robot", "human_keypoints"  # the packet kinds (ssjr.packet_kind)
 ENGINES = {"isaaclab": "IsaacLab", "genesis": "Genesis"}
 RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
@@ -123,18 +121,6 @@ class Args:
 
 
 # --- 1. Metrics: pure functions over one episode's arrays, positions [T,B,3] (m), quaternions [T,B,4] (wxyz). ---
-def mpjpe_m(pos: torch.Tensor, quat: torch.Tensor, ref_pos: torch.Tensor, ref_quat: torch.Tensor) -> float:
-    """mean_t mean_b of the error of body positions relative to the root, each pose in its own heading frame."""
-    local = ssjr.root_relative(pos, pos[:, 0], quat[:, 0])
-    ref_local = ssjr.root_relative(ref_pos, ref_pos[:, 0], ref_quat[:, 0])
-    return float((ref_local - local).norm(dim=-1).mean())
-
-
-def gr_err_rad(quat: torch.Tensor, ref_quat: torch.Tensor) -> float:
-    """mean_t mean_b geodesic angle between the executed and the reference body orientations."""
-    return float(ssjr.quat_angle(quat, ref_quat).mean())
-
-
 def local_rotations(quat: torch.Tensor, parents: tuple[int, ...]) -> torch.Tensor:
     """Rotation of each non-root body in its parent's frame: [T,B,4] -> [T,B-1,4]."""
     return ssjr.quat_mul(ssjr.quat_conj(quat[:, list(parents[1:])]), quat[:, 1:])
@@ -172,10 +158,13 @@ def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S, command: str = R
     pos, ref_pos, quat, ref_quat = (torch.as_tensor(np.asarray(rec[k]), dtype=torch.float64) for k in RECORDED)
     err = envs.body_error_metrics(pos, ref_pos)  # per step [T]; the env's info["metrics"] are the same functions
     gte = err["max_body_err_m"]
-    gr = gr_err_rad(quat, ref_quat)
+    local = ssjr.root_relative(pos, pos[:, 0], quat[:, 0])  # each pose in its own heading frame
+    ref_local = ssjr.root_relative(ref_pos, ref_pos[:, 0], ref_quat[:, 0])
+    gr = float(ssjr.quat_angle(quat, ref_quat).mean())
     out = {"success": float(bool(torch.isfinite(gte).all() and gte.max() < SUCCESS_THRESHOLD_M)),
            "max_gte_m": float(gte.max()), "g_mpjpe_mm": 1000.0 * float(err["gt_err_m"].mean()),
-           "mpjpe_mm": 1000.0 * mpjpe_m(pos, quat, ref_pos, ref_quat), "gr_err_rad": gr, "gr_err_deg": math.degrees(gr)}
+           "mpjpe_mm": 1000.0 * float((ref_local - local).norm(dim=-1).mean()), "gr_err_rad": gr,
+           "gr_err_deg": math.degrees(gr)}
     out.update(reward_terms(pos, quat, ref_pos, ref_quat, dt_s, ssjr.BODY_PARENTS, ssjr.KEYPOINT_BODY_IDS))
     if command == HUMAN_KEYPOINTS:
         out.update(dict.fromkeys((*METRICS, "max_gte_m"), math.nan))
@@ -360,37 +349,21 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
     return "\n".join(parts)
 
 
-def write_csv(path, rows: list[dict]) -> pathlib.Path:
-    """One line per episode; columns: the union of the row keys in first-seen order."""
-    def writer(tmp):
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, list(dict.fromkeys(k for r in rows for k in r)), lineterminator="\n")
-            w.writeheader()
-            w.writerows(rows)
-    return ssjr.write_atomic(path, writer)
-
-
-def plot_bars(path, xticks: list[str], labels: list[str], rows_of, metrics: tuple[str, ...], title: str = ""):
-    """Grouped bars, one panel per metric: one group per xtick, one bar per checkpoint (error bars: std over seeds).
-    rows_of(label, i): the episode rows of bar (label, xticks[i])."""
+def plot_rates(path, rows: list[dict], labels: list[str], settings: list[Setting], metric: str):
+    """Grouped bars of a rate (success or falls, %) per setting and checkpoint (error bars: std over seeds)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(metrics), 1, squeeze=False, sharex=True,
-                             figsize=(min(40.0, max(6.0, 0.9 * len(xticks) * len(labels))), 1 + 3 * len(metrics)))
-    x, width = np.arange(len(xticks)), 0.8 / len(labels)
-    for ax, metric in zip(axes[:, 0], metrics):
-        for j, label in enumerate(labels):
-            s = [seed_stats(rows_of(label, i), metric) for i in range(len(xticks))]
-            ax.bar(x + (j - (len(labels) - 1) / 2) * width, [m for m, _, _ in s], width, yerr=[sd for _, sd, _ in s],
-                   label=label, capsize=2)
-        ax.set_ylabel(AXIS_LABELS.get(metric, metric))
-        if metric in PERCENT:
-            ax.set_ylim(0, 105)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0, 0].set_title(title)
-    axes[0, 0].legend()
-    axes[-1, 0].set_xticks(x, xticks, rotation=30, ha="right")
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(settings) * len(labels)), 4))
+    x, width, by = np.arange(len(settings)), 0.8 / len(labels), group(rows, "label", "setting")
+    for j, label in enumerate(labels):
+        s = [seed_stats(by.get((label, setting.name), []), metric) for setting in settings]
+        ax.bar(x + (j - (len(labels) - 1) / 2) * width, [m for m, _, _ in s], width, yerr=[sd for _, sd, _ in s],
+               label=label, capsize=2)
+    ax.set_xticks(x, [setting.title for setting in settings], rotation=20, ha="right")
+    ax.set(ylabel=dict(TABLE1_METRICS + KEYPOINT_TABLE)[metric], ylim=(0, 105))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     ssjr.write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
     plt.close(fig)
@@ -409,7 +382,13 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
     out = pathlib.Path(out_dir)
     report = report_markdown(rows, labels, settings, alpha, notes)
     ssjr.write_atomic(out / "table.md", lambda tmp: tmp.write_text(report))
-    write_csv(out / "episodes.csv", rows)
+
+    def write_csv(tmp):  # one line per episode; columns: the union of the row keys in first-seen order
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, list(dict.fromkeys(k for r in rows for k in r)), lineterminator="\n")
+            w.writeheader()
+            w.writerows(rows)
+    ssjr.write_atomic(out / "episodes.csv", write_csv)
     by = group(rows, "label", "setting", "command")
     results = lambda command, metrics: {label: {s.name: {m: dict(zip(("mean", "std", "n_seeds"), seed_stats(  # noqa
         by.get((label, s.name, command), []), m))) for m in metrics} for s in settings} for label in labels}
@@ -421,20 +400,10 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
                "ttests": ttest_rows(rows, labels, [s.name for s in settings], alpha) if len(labels) > 1 else []}
     strict = json.loads(json.dumps(summary), parse_constant=lambda _: None)  # NaN, inf -> null (strict JSON)
     ssjr.write_atomic(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(strict, indent=1, allow_nan=False)))
-    for command, rate, name, metrics in ((ROBOT, "success", "motion", ("g_mpjpe_mm", "mpjpe_mm")),
-                                         (HUMAN_KEYPOINTS, "fell", "command", KEYPOINT_METRICS)):
-        sel = [r for r in rows if r["command"] == command]
-        if not sel:
-            continue
-        by_ls, by_lsm = group(sel, "label", "setting"), group(sel, "label", "setting", "motion")
-        rate_png = "success_vs_setting.png" if command == ROBOT else "keypoint_commands_falls_vs_setting.png"
-        plot_bars(out / "plots" / rate_png, [s.title for s in settings], labels,
-                  lambda label, i: by_ls.get((label, settings[i].name), []), (rate,))
-        motions = list(dict.fromkeys(r["motion"] for r in sel))
-        for s in settings:
-            plot_bars(out / "plots" / f"per_{name}_{s.name.replace('@', '_')}.png", motions, labels,
-                      lambda label, i: by_lsm.get((label, s.name, motions[i]), []), metrics,
-                      f"Per-{name} tracking: {s.title}")
+    for command, metric, png in ((ROBOT, "success", "success_vs_setting.png"),
+                                 (HUMAN_KEYPOINTS, "fell", "keypoint_commands_falls_vs_setting.png")):
+        if sel := [r for r in rows if r["command"] == command]:
+            plot_rates(out / "plots" / png, sel, labels, settings, metric)
     print(report)
     return summary
 
@@ -647,22 +616,20 @@ def coverage_notes(rows: list[dict], labels: list[str], settings: list[Setting],
     for label in labels:
         for s in settings:
             sel = by.get((label, s.name), [])
-            blown_up = sum(r["nan"] for r in sel)
-            if blown_up:
+            if blown_up := sum(r["nan"] for r in sel):
                 notes.append(f"{label} | {s.name}: {blown_up} of {len(sel)} episodes blew up (NaN state); they count "
                              f"as failures and are left out of the error means")
             if len(sel) < planned:
-                unreached = [c for c in clips if not any(r["clip"] == c for r in sel)]
+                unreached = ", ".join(c for c in clips if not any(r["clip"] == c for r in sel)) or "none"
                 notes.append(f"{label} | {s.name}: {planned - len(sel)} of {planned} planned episodes not reached "
                              f"within --max-steps {args.max_steps} (a cap on each rollout of {num_envs} envs); clips "
-                             f"never reached: {', '.join(unreached) or 'none'}")
+                             f"never reached: {unreached}")
     for label in labels:
         recorded = {c for r in by.get((label, video_setting), []) if (r["seed"], r["episode"]) == (args.seeds[0], 0)
                     for c in (r["clip"], r["motion"])}
-        missing_videos = [c for c in args.video_clips if c not in recorded]
-        if missing_videos:
-            notes.append(f"--video-clips {', '.join(missing_videos)}: not reached for {label} in {video_setting}, "
-                         f"seed {args.seeds[0]}: no video")
+        if missing := [c for c in args.video_clips if c not in recorded]:
+            notes.append(f"--video-clips {', '.join(missing)}: not reached for {label} in {video_setting}, seed "
+                         f"{args.seeds[0]}: no video")
     return notes
 
 

@@ -70,7 +70,7 @@ def bad_files(tmp_path_factory):
     (["student.py", "--preset", "cpu", "--resume", "{d}/teacher.pt", "--teacher-ckpt", "x"], ["found 'teacher'"]),
     (["student.py", "export", "--ckpt", "{d}/list.pt"], ["list.pt: expected a student checkpoint"]),
     (["evaluate.py", "--ckpt", "{d}/truncated.pt"], ["truncated.pt: not a readable"]),
-    (["evaluate.py", "--ckpt", "{d}/list.pt"], ["list.pt: not a HoRD checkpoint"]),
+    (["evaluate.py", "--ckpt", "{d}/list.pt"], ["list.pt: expected a teacher or student checkpoint"]),
     (["evaluate.py", "--ckpt", "{d}/teacher.pt", "--settings", "mujoco"], ["--settings", "mujoco"]),
     (["evaluate.py", "--ckpt", "{d}/nosim.pt"], ["nosim.pt: env_cfg['sim'] = None"]),
 ])
