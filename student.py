@@ -54,8 +54,7 @@ import ssjr
 import teacher
 from ssjr import InputError
 from teacher import (all_reduce_grads, any_rank, broadcast_from_rank0, build_env, check_layout, checkpoint_args, dist,
-                     load_checkpoint, log_iteration, open_run_dir, restore, rng_of_all_ranks, run_session,
-                     save_checkpoint, saved_rng, start_run)
+                     load_checkpoint, open_run_dir, restore, run_session, saved_rng, start_run)
 
 
 @dataclass
@@ -224,9 +223,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     if own_env:
         env = build_env(env_cfg, args.num_envs, device, args.seed + rank, terrain_seed=args.seed,  # one terrain
                         performance_mode=args.performance_mode)  # make_env applies it to Genesis only
-    rng = saved_rng(resume, device, rank) if resume is not None else None
-    if rng is not None:
-        env.set_rng_state(rng["env"])
+    rng = saved_rng(resume, env, device, rank)
     obs = env.reset()
     layout = env.obs_layout
     check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
@@ -245,19 +242,9 @@ def train(args: Args, env=None) -> pathlib.Path:
             share_teacher_hcdr(policy, teacher_agent, args.teacher_ckpt, frozen=args.hcdr == "teacher")
     broadcast_from_rank0(policy, world)
     policy.eval()
-    ckpt_path, first_iteration = run_dir / "student.pt", iteration
-    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_of_all_ranks(env, device, world)}
-
-    def checkpoint():
-        """The state after the last finished iteration (rank 0 writes it)."""
-        if rank == 0 and finished["iteration"] > first_iteration:
-            save_checkpoint(ckpt_path, {
-                "kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
-                "model": policy.state_dict(), "optimizer": optimizer.state_dict(),
-                "global_step": finished["global_step"], "iteration": finished["iteration"], "world_size": world,
-                "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
-                "rng": finished["rng"]})
-
+    state = lambda: {"args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
+                     "model": policy.state_dict(), "optimizer": optimizer.state_dict(),
+                     "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]}}
     curves = {"charts/action_mse": "action MSE to the teacher (rad^2)", "charts/gt_err_mm": "g-mpjpe (mm)",
               "charts/success_rate": "success rate (episodes reaching the clip end)"}
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
@@ -270,8 +257,9 @@ def train(args: Args, env=None) -> pathlib.Path:
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
     start_time, start_step = time.time(), global_step
 
-    with run_session(run_dir, rank, global_step, checkpoint, policy, curves, "distillation_curve.png") as \
-            (writer, stop), contextlib.closing(env) if own_env else contextlib.nullcontext():
+    with run_session(args, "student", state, policy, env, device, rank, world, global_step, iteration, curves,
+                     "distillation_curve.png") as (stop, end_iteration), \
+            contextlib.closing(env) if own_env else contextlib.nullcontext():
         while global_step + per_iteration <= args.total_env_steps and not any_rank(stop["now"], world, device):
             iteration += 1
             beta = args.beta * args.beta_decay ** (iteration - 1)
@@ -317,14 +305,10 @@ def train(args: Args, env=None) -> pathlib.Path:
                        "charts/teacher_action_fraction": teacher_fraction, "charts/SPS": sps,
                        "charts/nan_resets": nan_resets, "losses/dagger_mse_first_epoch": epoch_losses[0],
                        "losses/dagger_mse": epoch_losses[-1]}
-            finished.update(global_step=global_step, iteration=iteration,
-                            rng=rng_of_all_ranks(env, device, world))
-            log_iteration(writer, iteration, global_step, args.total_env_steps, scalars,
+            end_iteration(global_step, iteration, scalars,
                           f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | "
                           f"success {success:.2f} | g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f}")
-            if iteration % args.checkpoint_every == 0:
-                checkpoint()
-    return ckpt_path
+    return run_dir / "student.pt"
 
 
 # --- export: the deployable artefact ---------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ The policy reads one token per stacked proprio step (5), one per future referenc
 the HCDR token m_t; a transformer encoder mixes them and the output of token 0 (the current state s_t) goes through an
 MLP head to 29 action means. The action is a residual around the next reference joint positions:
 alpha = q_ref(t+1) + action_scale * a. The critic is a separate MLP on the privileged critic observation (which
-includes psi). The run plumbing (RunArgs, start_run, run_session, log_iteration, checkpoints, torchrun helpers) is
-shared with student.py.
+includes psi). The run plumbing (RunArgs, start_run, run_session, checkpoints, torchrun helpers) is shared with
+student.py.
 """
 from __future__ import annotations
 
@@ -304,9 +304,6 @@ def load_checkpoint(path, kind: str | tuple[str, ...] = ("teacher", "student")) 
     if not isinstance(ckpt, dict) or ckpt.get("kind") not in kinds:
         found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise InputError(path, f"expected a {' or '.join(kinds)} checkpoint, found {found!r}")
-    missing = [k for k in ("args", "obs_layout", "model") if k not in ckpt]
-    if missing:
-        raise InputError(path, f"{kind} checkpoint without {missing} (incomplete or from another tool)")
     return ckpt
 
 
@@ -327,11 +324,15 @@ def check_layout(path, expected: dict, found: dict, keys):
                                    f"env gives {found.get(k)} (different env version or settings)")
 
 
-def saved_rng(resume: dict, device, rank: int) -> dict | None:
-    """--resume: this rank's learner and env random states. None (fresh seed + rank streams) for a rank the checkpoint
-    has no state for (more ranks than it was written with) or another device type (whose generators differ)."""
+def saved_rng(resume: dict | None, env, device, rank: int) -> dict | None:
+    """--resume: this rank's learner and env random states; the env's are set here (before its first reset), the
+    learner's by restore(). None without --resume, and (fresh seed + rank streams) for a rank the checkpoint has no
+    state for (more ranks than it was written with) or on another device type (whose generators differ)."""
+    if resume is None:
+        return None
     states, saved_on = resume["rng"], resume["args"]["device"]
     if rank < len(states) and torch.device(saved_on).type == device.type:
+        env.set_rng_state(states[rank]["env"])
         return states[rank]
     print(f"rank {rank}: the checkpoint ({len(states)} ranks, {saved_on}) has no random state for it on {device.type}: "
           f"its streams restart from the seed")
@@ -504,18 +505,42 @@ def open_run_dir(args, sim: str, rank: int, world: int) -> pathlib.Path:
 
 
 @contextlib.contextmanager
-def run_session(run_dir: pathlib.Path, rank: int, global_step: int, checkpoint, model: nn.Module, curves: dict,
-                png: str):
-    """Around a training loop; yields (TensorBoard writer on rank 0, None elsewhere; stop flag). Ctrl-C or torchrun's
-    SIGTERM sets stop['now']: every rank finishes its iteration and leaves the loop. On the way out checkpoint() saves
-    the last finished iteration (after a crash too, unless the weights went bad) and rank 0 plots `curves`."""
+def run_session(args, kind: str, state, model: nn.Module, env, device, rank: int, world: int, global_step: int,
+                iteration: int, curves: dict, png: str):
+    """Around a training loop that starts after `iteration` iterations (`global_step` env-steps); yields
+    (stop, end_iteration):
+    - stop['now']: set by Ctrl-C or torchrun's SIGTERM; every rank finishes its iteration and leaves the loop.
+    - end_iteration(global_step, iteration, scalars, line): rank 0 logs `scalars` to TensorBoard and prints `line`
+      with the throughput (scalars['charts/SPS'], env-steps/s) and the time left; every --checkpoint-every
+      iterations rank 0 writes run_dir/{kind}.pt: {'kind', **state(), the counters, the world size and every rank's
+      random streams (for an exact --resume)}.
+    On the way out the last finished iteration is saved (after a crash too, unless the weights went bad) and rank 0
+    plots `curves` ({tag: title}) to run_dir/png."""
     from torch.utils.tensorboard import SummaryWriter
+    run_dir, first_iteration = pathlib.Path(args.run_dir), iteration
+    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_of_all_ranks(env, device, world)}
+
+    def checkpoint():
+        if rank == 0 and finished["iteration"] > first_iteration:
+            save_checkpoint(run_dir / f"{kind}.pt", {"kind": kind, **state(), **finished, "world_size": world})
+
+    def end_iteration(global_step: int, iteration: int, scalars: dict, line: str):
+        finished.update(global_step=global_step, iteration=iteration, rng=rng_of_all_ranks(env, device, world))
+        if writer is not None:
+            for k, v in {**scalars, "iteration": iteration}.items():
+                writer.add_scalar(k, v, global_step)
+            sps, total = scalars["charts/SPS"], args.total_env_steps
+            print(f"it {iteration} step {global_step:,}/{total:,} | {sps:,.0f} env-steps/s | {line} | ETA "
+                  f"{(total - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
+        if iteration % args.checkpoint_every == 0:
+            checkpoint()
+
     stop = {"now": False}
     previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True)) for sig in (signal.SIGINT, signal.SIGTERM)}
     # rank 0 alone writes logs; a resumed run hides what was logged after its checkpoint's step
     writer = SummaryWriter(run_dir, purge_step=global_step + 1) if rank == 0 else None
     try:
-        yield writer, stop
+        yield stop, end_iteration
     except BaseException:
         if all(p.isfinite().all() for p in model.parameters()):
             checkpoint()
@@ -527,19 +552,7 @@ def run_session(run_dir: pathlib.Path, rank: int, global_step: int, checkpoint, 
             writer.close()
     checkpoint()
     if rank == 0 and plot_curves(run_dir, curves, png):
-        print(f"saved the checkpoint, the TensorBoard log and {png} in {run_dir}")
-
-
-def log_iteration(writer, iteration: int, global_step: int, total_env_steps: int, scalars: dict, line: str):
-    """On rank 0 (the one with a writer): the scalars to TensorBoard, and a console line with the throughput
-    (scalars['charts/SPS'], env-steps/s) and the time left."""
-    if writer is None:
-        return
-    for k, v in {**scalars, "iteration": iteration}.items():
-        writer.add_scalar(k, v, global_step)
-    sps = scalars["charts/SPS"]
-    print(f"it {iteration} step {global_step:,}/{total_env_steps:,} | {sps:,.0f} env-steps/s | {line} | ETA "
-          f"{(total_env_steps - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
+        print(f"saved {kind}.pt, the TensorBoard log and {png} in {run_dir}")
 
 
 def read_log(run_dir) -> dict[str, list[float]]:
@@ -583,9 +596,7 @@ def main(args: Args) -> pathlib.Path:
     env_cfg = {**env_kwargs(args), "motions": robot_motions(args.motions)}  # what the student distils on, too
     env = build_env(env_cfg, args.num_envs, device, args.seed + rank, terrain_seed=args.seed,  # one terrain for all
                     performance_mode=args.performance_mode)  # make_env applies it to Genesis only
-    rng = saved_rng(resume, device, rank) if resume is not None else None
-    if rng is not None:
-        env.set_rng_state(rng["env"])
+    rng = saved_rng(resume, env, device, rank)
     obs = env.reset()
     layout = env.obs_layout
     agent = Agent(layout, args).to(device)
@@ -598,18 +609,9 @@ def main(args: Args) -> pathlib.Path:
         global_step, iteration = restore(resume, args.resume, agent, {"actor_opt": actor_opt, "critic_opt": critic_opt},
                                          rng, device, rank)
     broadcast_from_rank0(agent, world)
-    ckpt_path, first_iteration = run_dir / "teacher.pt", iteration
-    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_of_all_ranks(env, device, world)}
-
-    def checkpoint():
-        """The state after the last finished iteration (rank 0 writes it)."""
-        if rank == 0 and finished["iteration"] > first_iteration:
-            save_checkpoint(ckpt_path, {
-                "kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
-                "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
-                "critic_opt": critic_opt.state_dict(), "global_step": finished["global_step"],
-                "iteration": finished["iteration"], "world_size": world, "rng": finished["rng"]})
-
+    state = lambda: {"args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
+                     "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
+                     "critic_opt": critic_opt.state_dict()}
     curves = {"charts/success_rate": "success rate (episodes reaching the clip end)",
               "charts/gt_err_mm": "g-mpjpe (mm)", "charts/episode_length": "episode length (steps of 20 ms)",
               "charts/episode_return": "episode return"}
@@ -625,8 +627,8 @@ def main(args: Args) -> pathlib.Path:
     start_time, start_step = time.time(), global_step
     sim_time = 0.0
 
-    with run_session(run_dir, rank, global_step, checkpoint, agent, curves, "learning_curve.png") as (writer, stop), \
-            contextlib.closing(env):
+    with run_session(args, "teacher", state, agent, env, device, rank, world, global_step, iteration, curves,
+                     "learning_curve.png") as (stop, end_iteration), contextlib.closing(env):
         while global_step + per_iteration <= args.total_env_steps and not any_rank(stop["now"], world, device):
             iteration += 1
             # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps or episodes
@@ -734,15 +736,11 @@ def main(args: Args) -> pathlib.Path:
                             "charts/sim_time_fraction": sim_time / elapsed, "charts/nan_resets": nan_resets,
                             "losses/actor_lr": actor_opt.param_groups[0]["lr"],
                             **{f"rewards/{k}": v for k, v in zip(envs.REWARD_COEFFS, terms)}})
-            finished.update(global_step=global_step, iteration=iteration,
-                            rng=rng_of_all_ranks(env, device, world))
-            log_iteration(writer, iteration, global_step, args.total_env_steps, scalars,
+            end_iteration(global_step, iteration, scalars,
                           f"reward {scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
                           f"{1000 * gt_err_m:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets "
                           f"{nan_resets:.0f}")
-            if iteration % args.checkpoint_every == 0:
-                checkpoint()
-    return ckpt_path
+    return run_dir / "teacher.pt"
 
 
 if __name__ == "__main__":
