@@ -149,14 +149,9 @@ def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str,
     def u(lo_hi):
         lo, hi = lo_hi
         return lo + (hi - lo) * torch.rand(n, generator=gen, device=device)
-    if dr is None:
-        psi = {k: torch.ones(n, device=device) for k in PSI_KEYS}
-        psi["delay_steps"] = torch.zeros(n, device=device)
-        psi["gravity_mps2"] = torch.full((n,), 9.81, device=device)
-        psi["friction"] = torch.ones(n, device=device)
-        for a in "xyz":
-            psi[f"com_offset_{a}_m"] = torch.zeros(n, device=device)
-        return psi
+    if dr is None:  # scales 1, friction 1, no delay, no CoM offset, earth gravity
+        nominal = dict(delay_steps=0.0, gravity_mps2=9.81, com_offset_x_m=0.0, com_offset_y_m=0.0, com_offset_z_m=0.0)
+        return {k: torch.full((n,), nominal.get(k, 1.0), device=device) for k in PSI_KEYS}
     psi = {"delay_steps": torch.randint(dr.delay_steps[0], dr.delay_steps[1] + 1, (n,), generator=gen,
                                         device=device).float()}
     for k in ("mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction"):
@@ -190,10 +185,10 @@ class Terrain:
         """Ground height under world points xy [..., 2] (bilinear)."""
         if self.is_flat:
             return torch.zeros(xy.shape[:-1], device=xy.device)
-        cache = self.__dict__.setdefault("_heights_cache", {})  # the heightfield, copied once to each device
-        h = cache.setdefault(xy.device, None)
-        if h is None:
-            h = cache[xy.device] = torch.as_tensor(self.heights_m, device=xy.device)
+        cache = self.__dict__.setdefault("_heights", {})  # the heightfield, copied once to each device
+        if xy.device not in cache:
+            cache[xy.device] = torch.as_tensor(self.heights_m, device=xy.device)
+        h = cache[xy.device]
         g = (xy - torch.tensor(self.origin_m, device=xy.device)) / self.cell_m
         g0 = g.floor().long()
         f = g - g0
@@ -320,6 +315,7 @@ class GenesisSim:
     """Genesis (gs.Scene + the G1 MJCF entity). CPU here, CUDA where available; every DR term batched per env."""
 
     performance_mode = False  # the mode gs.init ran with in this process (one per process)
+    dof_names, body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
 
     def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S,
                  performance_mode: bool = False):
@@ -331,30 +327,27 @@ class GenesisSim:
         elif GenesisSim.performance_mode != performance_mode:
             raise ValueError(f"Genesis is already initialized in this process with performance_mode="
                              f"{GenesisSim.performance_mode}; one mode per process (an env worker process can differ)")
-        self.gs, self.num_envs, self.device = gs, num_envs, torch.device(device)
+        self.num_envs, self.device = num_envs, torch.device(device)
         self.scene = gs.Scene(
             sim_options=gs.options.SimOptions(dt=dt_s, substeps=1),
             rigid_options=gs.options.RigidOptions(batch_links_info=True, batch_dofs_info=True,
                                                   batch_joints_info=True, enable_self_collision=SELF_COLLISION),
             show_viewer=False)
-        ground_material = gs.materials.Rigid(friction=0.01)  # contact friction = max of the pair: the feet decide
-        if terrain.is_flat:
-            self.scene.add_entity(gs.morphs.Plane(), material=ground_material)
-        else:
-            self.scene.add_entity(gs.morphs.Terrain(height_field=terrain.heights_m, horizontal_scale=terrain.cell_m,
-                                                    vertical_scale=1.0, pos=(*terrain.origin_m, 0.0)),
-                                  material=ground_material)
+        ground = gs.morphs.Plane() if terrain.is_flat else gs.morphs.Terrain(
+            height_field=terrain.heights_m, horizontal_scale=terrain.cell_m, vertical_scale=1.0,
+            pos=(*terrain.origin_m, 0.0))
+        # contact friction = max of the pair: with the ground at 0.01, the feet decide
+        self.scene.add_entity(ground, material=gs.materials.Rigid(friction=0.01))
         self.robot = self.scene.add_entity(gs.morphs.MJCF(file=str(ssjr.g1_mjcf_path())))
         self.scene.build(n_envs=num_envs)
         names = [link.name for link in self.robot.links]
         self.links = [names.index(b) for b in ssjr.BODY_NAMES]
         self.links_global = [self.robot.links[i].idx for i in self.links]  # the solver's link numbering
         self.dofs = [self.robot.get_joint(j).dofs_idx_local[0] for j in ssjr.DOF_NAMES]
-        self.dof_names, self.body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
-        self.torso = ssjr.BODY_NAMES.index("torso_link")
+        self.torso = self.links[ssjr.BODY_NAMES.index("torso_link")]
         self.feet = [self.links[ssjr.BODY_NAMES.index(f)] for f in FEET]
         self.default_body_mass_kg = self._t(self.robot.get_links_mass(self.links))
-        self.default_torso_com = self._t(self.robot.get_links_COM([self.links[self.torso]]))[:, 0]
+        self.default_torso_com = self._t(self.robot.get_links_COM([self.torso]))[:, 0]
         self.robot.set_dofs_kp(torch.zeros(num_envs, 29), self.dofs)
         self.robot.set_dofs_kv(torch.zeros(num_envs, 29), self.dofs)
         from genesis.utils.array_class import ErrorCode
@@ -404,13 +397,12 @@ class GenesisSim:
         self.scene.sim.set_gravity(g_w, envs_idx=env_ids)
 
     def set_body_mass(self, env_ids, mass_kg):
-        """Masses [n,30]; inertias scale with the same per-body ratio (as in IsaacLabSim: a heavier body of the
-        same shape)."""
+        """Masses [n,30]; inertias scale with the same per-body ratio (a heavier body of the same shape)."""
         self.scene.sim.rigid_solver.set_links_mass(mass_kg, self.links_global, envs_idx=env_ids, scale_inertia=True)
 
     def set_com_offset(self, env_ids, offset_m):
         com = self.default_torso_com[env_ids] + offset_m
-        self.robot.set_links_COM(com[:, None], [self.links[self.torso]], envs_idx=env_ids)
+        self.robot.set_links_COM(com[:, None], [self.torso], envs_idx=env_ids)
 
     def set_friction(self, env_ids, mu):
         """Ground-foot friction: the feet's friction ratio (their geoms have friction 1, the ground 0.01)."""
@@ -430,61 +422,52 @@ class GenesisSim:
         """Nothing to release: several Genesis scenes may live in one process."""
 
 
-_XYZW_FROM_WXYZ = [1, 2, 3, 0]
-_WXYZ_FROM_XYZW = [3, 0, 1, 2]
-_TORSO = "torso_link"
+_XYZW_FROM_WXYZ, _WXYZ_FROM_XYZW = [1, 2, 3, 0], [3, 0, 1, 2]
 
 
 def _g1_usd_path() -> pathlib.Path:
-    """Convert the G1 MJCF to USD once (Isaac Lab MjcfConverter, MuJoCo physics variant), cached in assets/. Must run
-    before any other USD stage exists in the process (else the converter misses the PhysxJointAPI schema); written to
-    a temporary folder renamed into place, so no process sees a half-written USD."""
+    """The G1 MJCF converted to USD once (Isaac Lab MjcfConverter, MuJoCo physics variant), cached in assets/ and
+    renamed into place when complete. Must run before any other USD stage exists in the process (else the converter
+    misses the PhysxJointAPI schema)."""
     xml = ssjr.g1_mjcf_path()
     settings = dict(fix_base=False, physics_variant="mujoco", self_collision=SELF_COLLISION)
     digest = hashlib.sha1(xml.read_bytes() + repr(sorted(settings.items())).encode()).hexdigest()[:10]
     out = ssjr.ASSETS / f"g1_usd_{digest}"
-    usd = out / "g1" / "g1.usda"
-    if usd.exists():
-        return usd
-    from isaaclab.sim.converters import MjcfConverter, MjcfConverterCfg
-
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=".g1_usd_", dir=ssjr.ASSETS))
-    staging.chmod(0o755)
-    MjcfConverter(MjcfConverterCfg(asset_path=str(xml), usd_dir=str(staging), force_usd_conversion=True, **settings))
-    try:
-        staging.rename(out)
-    except OSError:  # another process won the race: keep its copy
-        shutil.rmtree(staging, ignore_errors=True)
-    return usd
+    if not (out / "g1" / "g1.usda").exists():
+        from isaaclab.sim.converters import MjcfConverter, MjcfConverterCfg
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=".g1_usd_", dir=ssjr.ASSETS))
+        staging.chmod(0o755)
+        MjcfConverter(MjcfConverterCfg(asset_path=str(xml), usd_dir=str(staging), force_usd_conversion=True,
+                                       **settings))
+        try:
+            staging.rename(out)
+        except OSError:  # another process won the race: keep its copy
+            shutil.rmtree(staging, ignore_errors=True)
+    return out / "g1" / "g1.usda"
 
 
 def _write_ground_usd(path: pathlib.Path, terrain) -> None:
-    """Author the local ground: an infinite collision plane, plus a heightfield-tagged mesh for non-flat terrain."""
+    """The local ground: an infinite collision plane, plus a heightfield-tagged mesh for non-flat terrain."""
     from pxr import Sdf, Usd, UsdGeom, UsdPhysics
 
     stage = Usd.Stage.CreateNew(str(path))
     UsdGeom.SetStageUpAxis(stage, UsdGeom.Tokens.z)
     UsdGeom.SetStageMetersPerUnit(stage, 1.0)
-    root = UsdGeom.Xform.Define(stage, "/Ground")
-    stage.SetDefaultPrim(root.GetPrim())
-    heights = None if terrain is None else np.asarray(terrain.heights_m, dtype=np.float32)
+    stage.SetDefaultPrim(UsdGeom.Xform.Define(stage, "/Ground").GetPrim())
     plane = UsdGeom.Plane.Define(stage, "/Ground/Plane")
     plane.CreateAxisAttr(UsdGeom.Tokens.z)
     UsdPhysics.CollisionAPI.Apply(plane.GetPrim())
-    if heights is not None and np.any(heights != 0.0):
+    heights = np.asarray(terrain.heights_m, dtype=np.float32)
+    if np.any(heights != 0.0):
         plane.AddTranslateOp().Set((0.0, 0.0, float(heights.min())))
-        nx, ny = heights.shape
-        x0, y0 = (float(v) for v in terrain.origin_m)
-        xs = x0 + terrain.cell_m * np.arange(nx)
-        ys = y0 + terrain.cell_m * np.arange(ny)
-        gx, gy = np.meshgrid(xs, ys, indexing="ij")
-        points = np.stack([gx, gy, heights], -1).reshape(-1, 3)
+        (nx, ny), (x0, y0) = heights.shape, (float(v) for v in terrain.origin_m)
+        gx, gy = np.meshgrid(x0 + terrain.cell_m * np.arange(nx), y0 + terrain.cell_m * np.arange(ny), indexing="ij")
         i, j = np.meshgrid(np.arange(nx - 1), np.arange(ny - 1), indexing="ij")
         a = (i * ny + j).ravel()
         # two counter-clockwise (seen from +z) triangles per cell: the heightfield rasterizer reads triangles only
         tris = np.concatenate([np.stack([a, a + ny, a + ny + 1], -1), np.stack([a, a + ny + 1, a + 1], -1)])
         mesh = UsdGeom.Mesh.Define(stage, "/Ground/Terrain")
-        mesh.CreatePointsAttr(points.astype(np.float32).tolist())
+        mesh.CreatePointsAttr(np.stack([gx, gy, heights], -1).reshape(-1, 3).astype(np.float32).tolist())
         mesh.CreateFaceVertexCountsAttr([3] * len(tris))
         mesh.CreateFaceVertexIndicesAttr(tris.ravel().tolist())
         UsdPhysics.CollisionAPI.Apply(mesh.GetPrim())
@@ -495,20 +478,14 @@ def _write_ground_usd(path: pathlib.Path, terrain) -> None:
 
 
 class IsaacLabSim:
-    """Isaac Lab 3.0, kit-less Newton/MuJoCo-Warp physics (PhysX needs Isaac Sim). The G1 MJCF converted once to USD,
-    N clones in one InteractiveScene at env spacing 0 (Newton worlds never collide with each other), over a local
-    ground (a plane, plus a Newton heightfield for non-flat terrain). Every joint has an implicit actuator with zero
-    gains: step(tau) is a pure torque step. One instance per process (SimulationContext is a singleton); close() frees
-    it. Conventions handled here:
-    - quaternions: Isaac Lab's xyzw <-> wxyz; joint/body order: remapped to MuJoCo order by name.
-    - velocities are the link frames' (d/dt body_pos), not the centres of mass'.
-    - friction: MuJoCo takes the max of the pair; the ground's is 0, so the foot shapes' friction is the ground-foot
-      friction (`set_friction`).
-    - joint damping/frictionloss: MuJoCo's passive dof_damping/dof_frictionloss; `set_body_mass` scales each body's
-      inertia with its mass ratio; gravity is per world natively.
-    - joints start with armature/damping/frictionloss 0 (explicit PD on the light wrists diverges without armature)
-      and every env at q = 0, feet in the ground: call `set_joint_params` and `write_state` before stepping.
-    """
+    """Isaac Lab 3.0, kit-less Newton/MuJoCo-Warp physics (PhysX needs Isaac Sim): the G1 USD cloned N times in one
+    InteractiveScene at env spacing 0 (Newton worlds never collide with each other) over a local ground. Every joint
+    has an implicit actuator with zero gains: step(tau) is a pure torque step. One instance per process
+    (SimulationContext is a singleton); close() frees it. Conventions handled here: Isaac Lab's xyzw quaternions and
+    joint/body order (remapped to MuJoCo's by name); velocities are the link frames' (d/dt body_pos), not the centres
+    of mass'; contact friction is the max of the pair and the ground's is 0, so the feet's is the ground-foot friction;
+    joint damping/frictionloss are MuJoCo's passive ones. Joints start with armature/damping/frictionloss 0 and every
+    env at q = 0: call `set_joint_params` and `write_state` before stepping."""
 
     dof_names = ssjr.DOF_NAMES
     body_names = ssjr.BODY_NAMES
@@ -519,7 +496,6 @@ class IsaacLabSim:
 
         if sim_utils.SimulationContext.instance() is not None:
             raise RuntimeError("an Isaac Lab SimulationContext already exists in this process: close() it first")
-        t0 = time.perf_counter()
         self.num_envs, self.device, self.dt_s = num_envs, torch.device(device), dt_s
         from isaaclab_newton.physics import MJWarpSolverCfg, NewtonCfg
         physics = NewtonCfg(solver_cfg=MJWarpSolverCfg(njmax=300, nconmax=60, ls_iterations=50,
@@ -548,83 +524,72 @@ class IsaacLabSim:
         self.scene = InteractiveScene(scene_cfg)
         self.sim.reset()
         self.robot = self.scene["robot"]
-        self._build_maps()
-        self._model = self.sim.physics_manager.get_model()
-        self._bind_shapes()
-        mass_isaac = self.robot.data.body_mass.torch.clone()
-        self.default_body_mass_kg = mass_isaac[:, self._body_perm].to(self.device)
-        self._default_inertia = self.robot.data.body_inertia.torch.clone()
-        self._default_mass_isaac = mass_isaac
-        self._default_com = self.robot.data.body_com_pos_b.torch.clone()
-        self.build_s = time.perf_counter() - t0
-
-    # ----- set-up helpers -----
-    def _build_maps(self) -> None:
-        """MuJoCo-order index -> Isaac Lab index, by name."""
-        joints, bodies = list(self.robot.joint_names), list(self.robot.body_names)
-        self._dof_perm = torch.tensor([joints.index(n) for n in self.dof_names], device=self.device)
-        self._dof_inv = torch.argsort(self._dof_perm)
-        self._body_perm = torch.tensor([bodies.index(n) for n in self.body_names], device=self.device)
-        self._torso_isaac = bodies.index(_TORSO)
         # element i: the Isaac Lab index of MuJoCo joint / body i (q_mujoco = q_isaac[:, isaac_index_of_dof])
-        self.isaac_index_of_dof, self.isaac_index_of_body = self._dof_perm, self._body_perm
-
-    def _bind_shapes(self) -> None:
-        """Ground friction -> 0 (contact friction = max of the pair = the foot's); bind the foot shapes' mu."""
+        joints, bodies = list(self.robot.joint_names), list(self.robot.body_names)
+        self.isaac_index_of_dof = torch.tensor([joints.index(n) for n in self.dof_names], device=self.device)
+        self.isaac_index_of_body = torch.tensor([bodies.index(n) for n in self.body_names], device=self.device)
+        self._dof_inv = torch.argsort(self.isaac_index_of_dof)
+        self._torso_isaac = bodies.index("torso_link")
+        # ground friction -> 0 (contact friction = max of the pair = the foot's); the foot shapes' mu, a live view
         from newton import ModelFlags
         import warp as wp
 
-        model = self._model
-        static = np.flatnonzero(model.shape_body.numpy() == -1)
-        for arr in (model.shape_material_mu, model.shape_material_mu_torsional, model.shape_material_mu_rolling):
+        self._model = self.sim.physics_manager.get_model()
+        static = np.flatnonzero(self._model.shape_body.numpy() == -1)
+        for arr in (self._model.shape_material_mu, self._model.shape_material_mu_torsional,
+                    self._model.shape_material_mu_rolling):
             values = arr.numpy()
             values[static] = 0.0
             arr.assign(values)
         self.sim.physics_manager.add_model_change(ModelFlags.SHAPE_PROPERTIES)
-        view = self.robot.root_view
-        self._shape_mu = wp.to_torch(view.get_attribute("shape_material_mu", model)[:, 0])
-        backend_bodies = list(self.robot.backend_body_names)
+        view, backend_bodies = self.robot.root_view, list(self.robot.backend_body_names)
+        self._shape_mu = wp.to_torch(view.get_attribute("shape_material_mu", self._model)[:, 0])
         self._foot_shapes = torch.tensor(
             [s for foot in FEET for s in view.body_shapes[backend_bodies.index(foot)]], device=self.device)
+        self._default_mass_isaac = self.robot.data.body_mass.torch.clone()
+        self.default_body_mass_kg = self._default_mass_isaac[:, self.isaac_index_of_body].to(self.device)
+        self._default_inertia = self.robot.data.body_inertia.torch.clone()
+        self._default_com = self.robot.data.body_com_pos_b.torch.clone()
 
     def _ids(self, env_ids) -> torch.Tensor:
         return torch.as_tensor(env_ids, device=self.device).to(torch.int32)
 
-    # ----- the contract -----
+    def _isaac(self, x: torch.Tensor, order=None) -> torch.Tensor:
+        """x as float32 on the sim device, its last axis permuted by `order`, contiguous (as Warp needs)."""
+        x = x.to(self.device, torch.float32)
+        return (x if order is None else x[:, order]).contiguous()
+
     def step(self, tau_Nm: torch.Tensor) -> None:
         """Apply joint torques [N,29] (MuJoCo order) for one physics step, then advance one step."""
-        self.robot.actuators.target_command.set_effort_index(
-            value=tau_Nm.to(self.device, torch.float32)[:, self._dof_inv].contiguous())
+        self.robot.actuators.target_command.set_effort_index(value=self._isaac(tau_Nm, self._dof_inv))
         self.robot.write_data_to_sim()
         self.sim.step(render=False)
         self.robot.update(self.dt_s)
 
     def dof_state(self):
         data = self.robot.data
-        return data.joint_pos.torch[:, self._dof_perm], data.joint_vel.torch[:, self._dof_perm]
+        return data.joint_pos.torch[:, self.isaac_index_of_dof], data.joint_vel.torch[:, self.isaac_index_of_dof]
 
     def root_state(self):
-        pose = self.robot.data.root_link_pose_w.torch
-        vel = self.robot.data.root_link_vel_w.torch
+        pose, vel = self.robot.data.root_link_pose_w.torch, self.robot.data.root_link_vel_w.torch
         return pose[:, :3].clone(), pose[:, 3:7][:, _WXYZ_FROM_XYZW], vel[:, :3].clone(), vel[:, 3:].clone()
 
     def body_state(self):
-        pose = self.robot.data.body_link_pose_w.torch[:, self._body_perm]
-        vel = self.robot.data.body_link_vel_w.torch[:, self._body_perm]
+        pose = self.robot.data.body_link_pose_w.torch[:, self.isaac_index_of_body]
+        vel = self.robot.data.body_link_vel_w.torch[:, self.isaac_index_of_body]
         return pose[..., :3], pose[..., 3:7][..., _WXYZ_FROM_XYZW], vel[..., :3], vel[..., 3:]
 
     def write_state(self, env_ids, root_pos, root_quat, root_lin_vel, root_ang_vel, q, qd) -> None:
         ids = self._ids(env_ids)
-        f32 = dict(device=self.device, dtype=torch.float32)
-        pose = torch.cat([root_pos.to(**f32), root_quat.to(**f32)[:, _XYZW_FROM_WXYZ]], -1).contiguous()
-        vel = torch.cat([root_lin_vel.to(**f32), root_ang_vel.to(**f32)], -1).contiguous()
+        pose = self._isaac(torch.cat([root_pos, root_quat[:, _XYZW_FROM_WXYZ]], -1))
+        vel = self._isaac(torch.cat([root_lin_vel, root_ang_vel], -1))
         self.robot.write_root_link_pose_to_sim_index(root_pose=pose, env_ids=ids)
         self.robot.write_root_link_velocity_to_sim_index(root_velocity=vel, env_ids=ids)
-        self.robot.write_joint_state_to_sim_index(position=q.to(**f32)[:, self._dof_inv].contiguous(),
-                                                  velocity=qd.to(**f32)[:, self._dof_inv].contiguous(), env_ids=ids)
+        self.robot.write_joint_state_to_sim_index(position=self._isaac(q, self._dof_inv),
+                                                  velocity=self._isaac(qd, self._dof_inv), env_ids=ids)
 
     def set_root_velocity(self, env_ids, lin_vel_w, ang_vel_w) -> None:
-        vel = torch.cat([lin_vel_w, ang_vel_w], -1).to(self.device, torch.float32).contiguous()
+        vel = self._isaac(torch.cat([lin_vel_w, ang_vel_w], -1))
         self.robot.write_root_link_velocity_to_sim_index(root_velocity=vel, env_ids=self._ids(env_ids))
 
     def set_gravity(self, env_ids, g_w) -> None:
@@ -640,16 +605,16 @@ class IsaacLabSim:
         """Masses [n,30] (MuJoCo body order); inertias scale with the same per-body ratio."""
         ids = self._ids(env_ids)
         m = torch.empty_like(mass_kg, dtype=torch.float32, device=self.device)
-        m[:, self._body_perm] = mass_kg.to(self.device, torch.float32)
+        m[:, self.isaac_index_of_body] = self._isaac(mass_kg)
         ratio = m / self._default_mass_isaac[ids.long()]
         self.robot.set_masses_index(masses=m.contiguous(), env_ids=ids)
-        self.robot.set_inertias_index(
-            inertias=(self._default_inertia[ids.long()] * ratio[..., None]).contiguous(), env_ids=ids)
+        self.robot.set_inertias_index(inertias=(self._default_inertia[ids.long()] * ratio[..., None]).contiguous(),
+                                      env_ids=ids)
 
     def set_com_offset(self, env_ids, offset_m) -> None:
         """Torso centre-of-mass offset [n,3] (body frame) from the asset's COM."""
         ids = self._ids(env_ids)
-        com = self._default_com[ids.long(), self._torso_isaac] + offset_m.to(self.device, torch.float32)
+        com = self._default_com[ids.long(), self._torso_isaac] + self._isaac(offset_m)
         self.robot.set_coms_index(coms=com[:, None].contiguous(), body_ids=[self._torso_isaac], env_ids=ids)
 
     def set_friction(self, env_ids, mu) -> None:
@@ -657,19 +622,17 @@ class IsaacLabSim:
         from newton import ModelFlags
 
         rows = torch.as_tensor(env_ids, device=self.device).long()
-        self._shape_mu[rows[:, None], self._foot_shapes] = mu.to(self.device, torch.float32)[:, None]
+        self._shape_mu[rows[:, None], self._foot_shapes] = self._isaac(mu)[:, None]
         self.sim.physics_manager.add_model_change(ModelFlags.SHAPE_PROPERTIES)
 
     def set_joint_params(self, env_ids, armature, damping, frictionloss) -> None:
         """Per-env joint armature [kg m^2], passive damping [N m s/rad], dry friction [N m]; [n,29] MuJoCo order."""
-        ids = self._ids(env_ids)
-        f32 = dict(device=self.device, dtype=torch.float32)
-        self.robot.write_joint_armature_to_sim_index(armature=armature.to(**f32)[:, self._dof_inv].contiguous(),
-                                                     env_ids=ids)
-        self.robot.write_joint_viscous_friction_coefficient_to_sim_index(
-            joint_viscous_friction_coeff=damping.to(**f32)[:, self._dof_inv].contiguous(), env_ids=ids)
-        self.robot.write_joint_friction_coefficient_to_sim_index(
-            joint_friction_coeff=frictionloss.to(**f32)[:, self._dof_inv].contiguous(), env_ids=ids)
+        ids, robot = self._ids(env_ids), self.robot
+        robot.write_joint_armature_to_sim_index(armature=self._isaac(armature, self._dof_inv), env_ids=ids)
+        robot.write_joint_viscous_friction_coefficient_to_sim_index(
+            joint_viscous_friction_coeff=self._isaac(damping, self._dof_inv), env_ids=ids)
+        robot.write_joint_friction_coefficient_to_sim_index(
+            joint_friction_coeff=self._isaac(frictionloss, self._dof_inv), env_ids=ids)
 
     def nan_envs(self) -> torch.Tensor:
         data = self.robot.data
@@ -853,7 +816,6 @@ class TrackingEnv:
             lo, hi = self.dr.push_interval_s
             self.next_push_s[ids] += lo + (hi - lo) * torch.rand(len(ids), generator=self.gen, device=dev)
         power = torch.zeros(n, device=dev)
-        self.pushed = push
         for k in range(DECIMATION):
             # control delay of d physics steps: the new target reaches the motors d steps into the control period
             target = torch.where(k >= delay, alpha, self.last_alpha)
@@ -889,7 +851,7 @@ class TrackingEnv:
         done = failed | time_out
         info = {"metrics": metrics, "reward_terms": {k: torch.exp(REWARD_COEFFS[k] * v) for k, v in terms.items()},
                 "power_w": power_w, "time_out": time_out & ~failed, "failed": failed,
-                "nan": blown_up, "pushed": self.pushed, "psi": {k: v.clone() for k, v in self.psi.items()},
+                "nan": blown_up, "pushed": push, "psi": {k: v.clone() for k, v in self.psi.items()},
                 "clip": self.clip.clone()}
         self.body_pos_w, self.body_quat_w = body[0], body[1]
         self.ref_body_pos_w, self.ref_body_quat_w = ref["body_pos"], ref["body_quat"]
@@ -1069,12 +1031,7 @@ def bench(args: Bench) -> None:
     obs, build_s = [env.reset()], time.time() - t0
     sim, n, engine_step, physics_s = env.sim, args.num_envs, env.sim.step, [0.0]
 
-    def timed_engine_step(tau):
-        start = time.perf_counter()
-        engine_step(tau)
-        physics_s[0] += time.perf_counter() - start
-
-    def rate(fn, steps=args.steps):
+    def rate(fn, steps=args.steps):  # env-steps/s of fn, after 10 warm-up calls
         for _ in range(10):
             fn()
         physics_s[0], start = 0.0, time.perf_counter()
@@ -1082,21 +1039,29 @@ def bench(args: Bench) -> None:
             fn()
         return n * steps / (time.perf_counter() - start)
 
-    def env_step():
-        obs[0] = env.step(obs[0]["ref_dof_pos"])[0]
+    def timed_engine_step(tau):
+        start = time.perf_counter()
+        engine_step(tau)
+        physics_s[0] += time.perf_counter() - start
 
-    def reset_one_then_step():
-        env.reset(torch.randint(n, (1,), device=env.device))
-        env_step()
+    def env_step(reset_one=False):
+        if reset_one:
+            env.reset(torch.randint(n, (1,), device=env.device))
+        obs[0] = env.step(obs[0]["ref_dof_pos"])[0]
 
     def dr_reset_pct(body_per_episode: bool) -> float:  # the same loop with and without the resets' DR writes
         env.dr.body_psi_per_episode = body_per_episode
-        with_writes = rate(reset_one_then_step, max(1, args.steps // 2))
+        with_writes = rate(lambda: env_step(True), max(1, args.steps // 2))
         env._write_psi = lambda ids, body: None
-        without = rate(reset_one_then_step, max(1, args.steps // 2))
+        without = rate(lambda: env_step(True), max(1, args.steps // 2))
         del env._write_psi
         env.dr.body_psi_per_episode = False
         return 100 * (1 - with_writes / without)
+
+    def raw_hold():
+        for _ in range(DECIMATION):
+            q, qd = sim.dof_state()
+            sim.step((env.kp * (q_hold - q) - env.kd * qd).clamp(-env.effort_limit_nm, env.effort_limit_nm))
 
     sim.step = timed_engine_step
     ours = rate(env_step)
@@ -1104,12 +1069,6 @@ def bench(args: Bench) -> None:
     sim.step = engine_step
     dr_pct = (dr_reset_pct(False), dr_reset_pct(True)) if args.dr else None
     q_hold = sim.dof_state()[0].clone()
-
-    def raw_hold():
-        for _ in range(DECIMATION):
-            q, qd = sim.dof_state()
-            sim.step((env.kp * (q_hold - q) - env.kd * qd).clamp(-env.effort_limit_nm, env.effort_limit_nm))
-
     hold = rate(raw_hold)
     env.close()
     print(f"{args.sim} ({args.device}), {n} envs, terrain {args.terrain}, DR {'on' if args.dr else 'off'}: "

@@ -16,6 +16,7 @@ Robot sources give full packets; human sources (AMASS joints, BVH) give keypoint
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -59,25 +60,19 @@ def g1_mjcf_path() -> pathlib.Path:
     xml = ASSETS / "unitree_g1" / "xmls" / "g1.xml"
     if xml.exists():
         return xml
-    print(f"[ssjr] G1 model not cached: downloading the {MJLAB_WHEEL} wheel from PyPI (model files only, "
-          f"mjlab itself is not installed) into {ASSETS}/unitree_g1 ...", file=sys.stderr)
+    print(f"[ssjr] downloading the G1 model ({MJLAB_WHEEL} wheel, model files only) into {ASSETS}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", MJLAB_WHEEL, "-d", tmp]
         if subprocess.run(cmd).returncode != 0:
-            raise RuntimeError(f"could not download {MJLAB_WHEEL} from PyPI to get the G1 model; "
-                               f"place the unitree_g1 folder of that wheel at {ASSETS / 'unitree_g1'}")
+            raise RuntimeError(f"could not download {MJLAB_WHEEL}; place its unitree_g1 folder at {ASSETS}")
         prefix = "mjlab/asset_zoo/robots/unitree_g1/"
         ASSETS.mkdir(exist_ok=True)
         staging = pathlib.Path(tempfile.mkdtemp(dir=ASSETS))
         with zipfile.ZipFile(next(pathlib.Path(tmp).glob("mjlab-*.whl"))) as zf:
             zf.extractall(staging, [n for n in zf.namelist() if n.startswith(prefix + "xmls/")])
-        try:
-            (staging / prefix).rename(ASSETS / "unitree_g1")  # atomic: a half-extracted model is never visible
-            shutil.rmtree(staging)
-        except OSError:  # another process (e.g. an env worker) got there first: keep its copy
-            shutil.rmtree(staging)
-            if not xml.exists():
-                raise
+        with contextlib.suppress(OSError):  # atomic; when another process got there first, its copy stays
+            (staging / prefix).rename(ASSETS / "unitree_g1")
+        shutil.rmtree(staging)
     return xml
 
 
@@ -218,21 +213,19 @@ def root_relative(points_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 3. Forward kinematics straight from the MJCF tree: per body its offset (pos, quat) in the parent frame and the hinge
-#    axis of the joint that moves it. No physics engine: world pose of body i = parent pose * offset * hinge rotation.
+#    axis of the joint that moves it (the pinned G1 MJCF: hinges at the body origins, capsules given by fromto). No
+#    physics engine: world pose of body i = parent pose * offset * hinge rotation.
 def _mjcf_defaults(root: ET.Element) -> dict[str, dict[str, dict[str, str]]]:
     """class name -> tag -> attributes, with nested <default> classes inheriting from their parent class."""
     table: dict[str, dict[str, dict[str, str]]] = {}
 
     def visit(node: ET.Element, inherited: dict[str, dict[str, str]]) -> None:
-        name = node.get("class", "main")
-        own = {tag: dict(attrs) for tag, attrs in inherited.items()}
+        own = table[node.get("class", "main")] = {tag: dict(attrs) for tag, attrs in inherited.items()}
         for child in node:
             if child.tag != "default":
                 own.setdefault(child.tag, {}).update(child.attrib)
-        table[name] = own
-        for child in node:
-            if child.tag == "default":
-                visit(child, own)
+        for child in node.findall("default"):
+            visit(child, own)
 
     for top in root.findall("default"):
         visit(top, {})
@@ -244,12 +237,12 @@ def _vec(text: str | None, default: tuple[float, ...]) -> np.ndarray:
 
 
 class G1Kinematics:
-    """Batched torch FK of the G1 (or any MJCF tree of hinge joints under one free-floating root)."""
+    """Batched torch FK of the G1 MJCF (a tree of hinge joints under one free-floating root)."""
 
     def __init__(self, mjcf_path: str | os.PathLike | None = None, device: str | torch.device = "cpu"):
         root = ET.parse(mjcf_path or g1_mjcf_path()).getroot()
         defaults = _mjcf_defaults(root)
-        names, parents, pos, quat, axis, anchor, lower, upper, dof_names = [], [], [], [], [], [], [], [], []
+        names, parents, pos, quat, axis, lower, upper, dof_names = [], [], [], [], [], [], [], []
         geoms: list[tuple[int, np.ndarray, np.ndarray, float]] = []  # collision geoms: body, end points, radius
 
         def attrs(el: ET.Element, cls: str) -> dict[str, str]:
@@ -264,32 +257,20 @@ class G1Kinematics:
             parents.append(parent)
             pos.append(_vec(body.get("pos"), (0, 0, 0)))
             quat.append(_vec(body.get("quat"), (1, 0, 0, 0)))
-            if parent >= 0:  # every body but the root: one hinge (the pinned G1 MJCF: radians, quat offsets)
+            axis.append(np.zeros(3))
+            if parent >= 0:  # every body but the root: one hinge (radians)
                 j = attrs(body.find("joint"), cls)
                 dof_names.append(j["name"])
-                axis.append(_vec(j.get("axis"), (0, 0, 1)))
-                anchor.append(_vec(j.get("pos"), (0, 0, 0)))
+                axis[-1] = _vec(j.get("axis"), (0, 0, 1))
                 lo, hi = _vec(j.get("range"), (-np.inf, np.inf))
                 lower.append(lo)
                 upper.append(hi)
-            else:
-                axis.append(np.zeros(3))
-                anchor.append(np.zeros(3))
             for g in body.findall("geom"):
                 a = attrs(g, cls)
                 if a.get("contype", "1") == "0" and a.get("conaffinity", "1") == "0":
                     continue  # visual only
-                kind, size = a.get("type", "sphere"), _vec(a.get("size"), (0, 0, 0))
-                if kind == "sphere":
-                    p = _vec(a.get("pos"), (0, 0, 0))
-                    geoms.append((i, p, p, size[0]))
-                elif kind == "capsule" and "fromto" in a:
-                    ft = _vec(a["fromto"], ())
-                    geoms.append((i, ft[:3], ft[3:], size[0]))
-                elif kind == "capsule":
-                    p, gq = _vec(a.get("pos"), (0, 0, 0)), torch.tensor(_vec(a.get("quat"), (1, 0, 0, 0)))
-                    half = quat_apply(gq, torch.tensor([0.0, 0.0, size[1]], dtype=gq.dtype)).numpy()
-                    geoms.append((i, p - half, p + half, size[0]))
+                ends = _vec(a["fromto"], ()) if "fromto" in a else np.tile(_vec(a.get("pos"), (0, 0, 0)), 2)  # sphere
+                geoms.append((i, ends[:3], ends[3:], _vec(a.get("size"), (0,))[0]))
             for child in body.findall("body"):
                 visit(child, i, cls)
 
@@ -299,7 +280,6 @@ class G1Kinematics:
         self.offset_pos = torch.tensor(np.stack(pos), **f32)                  # [B,3] in the parent frame
         self.offset_quat = quat_normalize(torch.tensor(np.stack(quat), **f32))  # [B,4]
         self.joint_axis = torch.tensor(np.stack(axis), **f32)                 # [B,3] (row 0, the root: unused)
-        self.joint_anchor = torch.tensor(np.stack(anchor), **f32)             # [B,3] joint position in the body
         self.dof_lower_rad = torch.tensor(lower, **f32)                       # [29]
         self.dof_upper_rad = torch.tensor(upper, **f32)
         self.geom_body = torch.tensor([g[0] for g in geoms], dtype=torch.long, device=device)
@@ -320,11 +300,8 @@ class G1Kinematics:
         body_pos, body_quat = [root_pos.expand(batch + (3,))], [quat_normalize(root_quat).expand(batch + (4,))]
         for i in range(1, len(self.parents)):
             p = self.parents[i]
-            q = quat_mul(body_quat[p], local[..., i - 1, :])
-            anchor = body_pos[p] + quat_apply(body_quat[p], self.offset_pos[i] + quat_apply(
-                self.offset_quat[i], self.joint_anchor[i]))
-            body_pos.append(anchor - quat_apply(q, self.joint_anchor[i]))  # rotate about the joint's anchor
-            body_quat.append(q)
+            body_pos.append(body_pos[p] + quat_apply(body_quat[p], self.offset_pos[i]))
+            body_quat.append(quat_mul(body_quat[p], local[..., i - 1, :]))
         return torch.stack(body_pos, dim=-2), torch.stack(body_quat, dim=-2)
 
     def lowest_point_z(self, body_pos: torch.Tensor, body_quat: torch.Tensor) -> torch.Tensor:
@@ -443,17 +420,21 @@ def _manifest_fps(path: pathlib.Path) -> float | None:
     return None
 
 
-def _to_29dof(path: pathlib.Path, dof: np.ndarray, allow_23dof: bool, notes: list[str]) -> np.ndarray:
-    if dof.shape[1] == 29:
-        return dof
-    if dof.shape[1] != 23:
+def _robot_motion(path: pathlib.Path, name: str, fps: float, root_pos, root_quat_wxyz, dof, allow_23dof: bool
+                  ) -> RobotMotion:
+    """The common tail of the robot loaders: float64 arrays, 23-DoF data mapped to 29 (wrists 0) when allowed."""
+    dof, notes = np.asarray(dof, np.float64), []
+    if dof.shape[1] not in (23, 29):
         raise InputError(path, f"expected 29 (or 23) joint angles per frame, found {dof.shape[1]}")
-    if not allow_23dof:
-        raise InputError(path, "23-DoF data where 29 are required; pass --allow-23dof to map it (wrists set to 0)")
-    full = np.zeros((len(dof), 29), dtype=dof.dtype)
-    full[:, DOF23_IDS] = dof
-    notes.append("23-DoF source: the 6 wrist joints are set to 0")
-    return full
+    if dof.shape[1] == 23:
+        if not allow_23dof:
+            raise InputError(path, "23-DoF data where 29 are required; pass --allow-23dof to map it (wrists set to 0)")
+        full = np.zeros((len(dof), 29))
+        full[:, DOF23_IDS] = dof
+        dof = full
+        notes.append("23-DoF source: the 6 wrist joints are set to 0")
+    return RobotMotion(name, fps, np.asarray(root_pos, np.float64), np.asarray(root_quat_wxyz, np.float64), dof,
+                       str(path), notes)
 
 
 def load_g1_csv(path: pathlib.Path, fps: float | None = None, allow_23dof: bool = False) -> list[RobotMotion]:
@@ -465,10 +446,8 @@ def load_g1_csv(path: pathlib.Path, fps: float | None = None, allow_23dof: bool 
     if data.shape[1] not in (36, 30):
         raise InputError(path, f"wrong column count {data.shape[1]}: expected 36 (root xyz, quat xyzw, 29 joints) or "
                                 f"30 (23 joints)")
-    notes: list[str] = []
-    dof = _to_29dof(path, data[:, 7:], allow_23dof, notes)
     fps = _fps(path, _manifest_fps(path), fps)  # G1 Moves' manifest first; --fps for CSVs without one
-    return [RobotMotion(path.stem, fps, data[:, :3], data[:, [6, 3, 4, 5]], dof, str(path), notes)]
+    return [_robot_motion(path, path.stem, fps, data[:, :3], data[:, [6, 3, 4, 5]], data[:, 7:], allow_23dof)]
 
 
 def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bool = False) -> list[RobotMotion]:
@@ -478,7 +457,6 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
         d = dict(npz)
     fps = _fps(path, d.get("fps"), fps)
     joint_pos = np.asarray(d["joint_pos"], dtype=np.float64)
-    notes: list[str] = []
     if joint_pos.shape[1] == 36:
         root_pos, root_quat, dof = joint_pos[:, :3], joint_pos[:, 3:7], joint_pos[:, 7:]
     else:
@@ -494,9 +472,7 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
         if missing:
             raise InputError(path, f"joint_names lacks {missing[:3]}...")
         dof = dof[:, [names.index(n) for n in DOF_NAMES]]
-    dof = _to_29dof(path, np.asarray(dof, dtype=np.float64), allow_23dof, notes)
-    return [RobotMotion(path.stem, fps, np.asarray(root_pos, np.float64), np.asarray(root_quat, np.float64), dof,
-                        str(path), notes)]
+    return [_robot_motion(path, path.stem, fps, root_pos, root_quat, dof, allow_23dof)]
 
 
 def load_phc_pkl(path: pathlib.Path, fps: float | None = None, allow_23dof: bool = False) -> list[RobotMotion]:
@@ -510,14 +486,10 @@ def load_phc_pkl(path: pathlib.Path, fps: float | None = None, allow_23dof: bool
         lib = {path.stem: lib}
     if not isinstance(lib, dict) or not lib or not all(isinstance(c, dict) for c in lib.values()):
         raise InputError(path, "not a PHC motion library (a dict of clips, each a dict with root_rot, dof, ...)")
-    clips = []
-    for key, c in lib.items():
-        notes: list[str] = []
-        dof = _to_29dof(path, np.asarray(c["dof"], np.float64).reshape(len(c["dof"]), -1), allow_23dof, notes)
-        name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(key))
-        clips.append(RobotMotion(name, _fps(path, c.get("fps"), fps), np.asarray(c["root_trans_offset"], np.float64),
-                                 np.asarray(c["root_rot"], np.float64)[:, [3, 0, 1, 2]], dof, str(path), notes))
-    return clips
+    return [_robot_motion(path, "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(key)),
+                          _fps(path, c.get("fps"), fps), c["root_trans_offset"],
+                          np.asarray(c["root_rot"])[:, [3, 0, 1, 2]], np.asarray(c["dof"]).reshape(len(c["dof"]), -1),
+                          allow_23dof) for key, c in lib.items()]
 
 
 SMPL_JOINT_IDS = (0, 1, 2, 4, 5, 7, 8, 16, 17, 18, 19, 20, 21)  # HUMAN_JOINTS in the SMPL/SMPL+H/SMPL-X body tree
@@ -637,28 +609,23 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
                                 f"channels")
     if not np.isfinite(frame_time) or frame_time <= 0:
         raise InputError(path, f"invalid frame rate (Frame Time {frame_time})")
-    motion = torch.tensor(values.reshape(n_frames, n_chan))
-    axes = {"X": torch.tensor([1.0, 0, 0], dtype=torch.float64), "Y": torch.tensor([0, 1.0, 0], dtype=torch.float64),
-            "Z": torch.tensor([0, 0, 1.0], dtype=torch.float64)}
-    glob_q: list[torch.Tensor] = []
+    motion, axes = torch.tensor(values.reshape(n_frames, n_chan)), torch.eye(3, dtype=torch.float64)
     glob_p: list[torch.Tensor] = []
+    glob_q: list[torch.Tensor] = []
     col = 0
     for j, chans in enumerate(channels):
         local_p = torch.tensor(offsets[j], dtype=torch.float64).expand(n_frames, 3).clone()
         local_q = torch.tensor([1.0, 0, 0, 0], dtype=torch.float64).expand(n_frames, 4)
         for c in chans:  # rotations compose in the listed order (intrinsic), positions replace the offset
+            axis = "XYZ".index(c[0].upper())
             if c.endswith("rotation"):
-                local_q = quat_mul(local_q, quat_from_axis_angle(axes[c[0].upper()], torch.deg2rad(motion[:, col])))
+                local_q = quat_mul(local_q, quat_from_axis_angle(axes[axis], torch.deg2rad(motion[:, col])))
             else:
-                local_p[:, "XYZ".index(c[0].upper())] = motion[:, col]
+                local_p[:, axis] = motion[:, col]
             col += 1
         p = parents[j]
-        if p < 0:
-            glob_p.append(local_p)
-            glob_q.append(local_q)
-        else:
-            glob_p.append(glob_p[p] + quat_apply(glob_q[p], local_p))
-            glob_q.append(quat_mul(glob_q[p], local_q))
+        glob_p.append(local_p if p < 0 else glob_p[p] + quat_apply(glob_q[p], local_p))
+        glob_q.append(local_q if p < 0 else quat_mul(glob_q[p], local_q))
     pos = torch.stack(glob_p, dim=1).numpy() * scale_m
     if up == "y":  # (x, y, z) y-up -> (x, -z, y) z-up: a proper rotation about x
         pos = np.stack((pos[..., 0], -pos[..., 2], pos[..., 1]), axis=-1)
@@ -760,14 +727,6 @@ def resample(frames: dict, fps_in: float, fps_out: float, quat_keys: tuple[str, 
     return out
 
 
-def resample_robot(m: RobotMotion, bad: np.ndarray, fps_out: float) -> tuple[RobotMotion, np.ndarray]:
-    """The motion at fps_out (`resample`); an output frame is bad when either of its source frames is."""
-    out = resample(dict(root_pos=m.root_pos, root_quat=m.root_quat, dof_pos=m.dof_pos), m.fps, fps_out, ("root_quat",))
-    i0, i1, _ = resample_times(len(m.dof_pos), m.fps, fps_out)
-    return RobotMotion(m.name, fps_out, **{k: v.numpy() for k, v in out.items()}, source=m.source, notes=m.notes), \
-        bad[i0] | bad[i1]
-
-
 def segment_bounds(n: int, fps: float, min_s: float = 2.0, max_s: float = 10.0, where: str = "clip"
                    ) -> list[tuple[int, int]]:
     """Split n frames into the fewest equal segments of at most max_s seconds (paper: clips of 2-10 s)."""
@@ -839,17 +798,16 @@ def human_to_g1_keypoints(kin: G1Kinematics, joints: np.ndarray) -> tuple[np.nda
     torso = pelvis + pelvis_rot @ g["torso_link"]
     kp = {"pelvis": pelvis}
     for side in ("left", "right"):
+        def bone(start, link, parent_link, joint, parent_joint):  # the G1's bone along the human's
+            return start + length(f"{side}_{link}", f"{side}_{parent_link}") * unit(
+                h[f"{side}_{joint}"] - h[f"{side}_{parent_joint}"])
         hip = pelvis + pelvis_rot @ g[f"{side}_hip_roll_link"]
-        kp[f"{side}_knee_link"] = hip + length(f"{side}_knee_link", f"{side}_hip_roll_link") * unit(
-            h[f"{side}_knee"] - h[f"{side}_hip"])
-        kp[f"{side}_ankle_roll_link"] = kp[f"{side}_knee_link"] + length(
-            f"{side}_ankle_roll_link", f"{side}_knee_link") * unit(h[f"{side}_ankle"] - h[f"{side}_knee"])
-        shoulder = torso + torso_rot @ (g[f"{side}_shoulder_roll_link"] - g["torso_link"])
-        kp[f"{side}_shoulder_roll_link"] = shoulder
-        kp[f"{side}_elbow_link"] = shoulder + length(f"{side}_elbow_link", f"{side}_shoulder_roll_link") * unit(
-            h[f"{side}_elbow"] - h[f"{side}_shoulder"])
-        kp[f"{side}_wrist_yaw_link"] = kp[f"{side}_elbow_link"] + length(
-            f"{side}_wrist_yaw_link", f"{side}_elbow_link") * unit(h[f"{side}_wrist"] - h[f"{side}_elbow"])
+        shoulder = kp[f"{side}_shoulder_roll_link"] = torso + torso_rot @ (g[f"{side}_shoulder_roll_link"] -
+                                                                           g["torso_link"])
+        knee = kp[f"{side}_knee_link"] = bone(hip, "knee_link", "hip_roll_link", "knee", "hip")
+        kp[f"{side}_ankle_roll_link"] = bone(knee, "ankle_roll_link", "knee_link", "ankle", "knee")
+        elbow = kp[f"{side}_elbow_link"] = bone(shoulder, "elbow_link", "shoulder_roll_link", "elbow", "shoulder")
+        kp[f"{side}_wrist_yaw_link"] = bone(elbow, "wrist_yaw_link", "elbow_link", "wrist", "elbow")
     keypoints = torch.stack([kp[n] for n in KEYPOINT_NAMES], dim=1)
     # Ground: the G1's standing ankle height above its soles, at the clip's typical lowest ankle (5th percentile).
     ankle_height = zero_pos[BODY_NAMES.index("left_ankle_roll_link"), 2] - kin.lowest_point_z(zero_pos, zero_quat)
@@ -893,7 +851,7 @@ def packet_kind(path: str | os.PathLike) -> str:
     try:
         with np.load(path) as z:
             kind = str(z["kind"]) if "kind" in z.files else "robot"
-    except Exception as e:  # not an npz: say which file
+    except Exception as e:
         raise InputError(path, f"not a readable motion file ({type(e).__name__}: {e})") from None
     if kind not in ("robot", "human_keypoints"):
         raise InputError(path, f"unknown motion kind {kind!r}, expected 'robot' or 'human_keypoints'")
@@ -967,7 +925,7 @@ class Convert:
 
 @dataclass
 class ClipReport:
-    """One row of the summary table."""
+    """One row of convert's summary: what came in, what was kept, why the rest was dropped."""
     source: str
     clip: str
     kind: str = ""
@@ -975,14 +933,12 @@ class ClipReport:
     seconds: float = 0.0
     kept: int = 0
     kept_s: float = 0.0
-    dropped: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)  # dropped segments by reason
     glitch_frames: int = 0
     clipped_frames: int = 0
     notes: list[str] = field(default_factory=list)
-    error: str = ""
-    """the one-line InputError of a clip that failed"""
-    problem: str = ""
-    """the same without the path"""
+    error: str = ""  # the one-line InputError that stopped the clip
+    problem: str = ""  # the same without the path
 
 
 def motion_files(src: tuple[pathlib.Path, ...]) -> list[pathlib.Path]:
@@ -1019,6 +975,20 @@ def _where(m: RobotMotion | HumanMotion) -> str:
     return m.source if m.name == pathlib.Path(m.source).stem else f"{m.source} [{m.name}]"
 
 
+def write_segments(m: RobotMotion | HumanMotion, args: Convert, report: ClipReport, meta: dict, arrays: dict,
+                   bounds: list[tuple[int, int]], reasons: list[str] | None = None) -> None:
+    """One packet <clip>_segNN.npz per segment [a, b) of `arrays`; a segment with a reason to drop it is counted."""
+    meta = dict(fps=FPS, **meta, text=args.text, source=m.source,
+                license=_license(pathlib.Path(m.source), args.license))
+    for s, (a, b) in enumerate(bounds):
+        if reasons and reasons[s]:
+            report.dropped[reasons[s]] = report.dropped.get(reasons[s], 0) + 1
+            continue
+        save_packet(args.out / f"{m.name}_seg{s:02d}.npz", {**meta, **{k: v[a:b] for k, v in arrays.items()}})
+        report.kept += 1
+        report.kept_s += (b - a) / FPS
+
+
 def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: ClipReport) -> None:
     """Clean, resample, segment, FK and check one robot clip; write its packets."""
     shapes = (m.root_pos.shape, m.root_quat.shape, m.dof_pos.shape)
@@ -1027,26 +997,22 @@ def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: Clip
     _check_finite(_where(m), root_pos=m.root_pos, root_quat=m.root_quat, dof_pos=m.dof_pos)
     quat = clean_quaternions(_where(m), m.root_quat)
     dof, report.glitch_frames, bad = repair_glitches(m.dof_pos, m.fps, args.glitch_rad_s, args.glitch_window_s)
-    m, bad = resample_robot(RobotMotion(m.name, m.fps, m.root_pos, quat, dof, m.source, m.notes), bad, FPS)
-    bounds = segment_bounds(len(m.dof_pos), FPS, args.min_s, args.max_s, _where(m))
+    x = {k: v.numpy() for k, v in resample(dict(root_pos=m.root_pos, root_quat=quat, dof_pos=dof), m.fps, FPS,
+                                            ("root_quat",)).items()}
+    i0, i1, _ = resample_times(len(dof), m.fps, FPS)
+    bad = bad[i0] | bad[i1]  # an output frame is bad when either of its source frames is
+    bounds = segment_bounds(len(x["dof_pos"]), FPS, args.min_s, args.max_s, _where(m))
     lo, hi = kin.dof_lower_rad.numpy(), kin.dof_upper_rad.numpy()
-    excess = np.maximum(lo - m.dof_pos, m.dof_pos - hi).max(axis=1)
+    excess = np.maximum(lo - x["dof_pos"], x["dof_pos"] - hi).max(axis=1)
     beyond_limits = excess > args.limit_tol_rad
     report.clipped_frames = int(((excess > 1e-3) & ~beyond_limits).sum())  # below 1 mrad: the source's rounding
-    packet = robot_packet(kin, m.root_pos, m.root_quat, np.clip(m.dof_pos, lo, hi))
+    packet = robot_packet(kin, x["root_pos"], x["root_quat"], np.clip(x["dof_pos"], lo, hi))
     lowest = kin.lowest_point_z(torch.from_numpy(packet["body_pos_w"]), torch.from_numpy(packet["body_quat_w"]))
     penetrating = (lowest < -args.penetration_m).numpy()
-    meta = dict(fps=FPS, kind="robot", body_names=BODY_NAMES, dof_names=DOF_NAMES, keypoint_names=KEYPOINT_NAMES,
-                text=args.text, source=m.source, license=_license(pathlib.Path(m.source), args.license))
-    for s, (a, b) in enumerate(bounds):
-        reason = ("unrepairable glitch" if bad[a:b].any() else "joint limits" if beyond_limits[a:b].any() else
-                  "ground penetration" if penetrating[a:b].mean() > args.max_penetration_frac else "")
-        if reason:
-            report.dropped[reason] = report.dropped.get(reason, 0) + 1
-            continue
-        save_packet(args.out / f"{m.name}_seg{s:02d}.npz", {**meta, **{k: v[a:b] for k, v in packet.items()}})
-        report.kept += 1
-        report.kept_s += (b - a) / FPS
+    reasons = ["unrepairable glitch" if bad[a:b].any() else "joint limits" if beyond_limits[a:b].any() else
+               "ground penetration" if penetrating[a:b].mean() > args.max_penetration_frac else "" for a, b in bounds]
+    write_segments(m, args, report, dict(kind="robot", body_names=BODY_NAMES, dof_names=DOF_NAMES,
+                                         keypoint_names=KEYPOINT_NAMES), packet, bounds, reasons)
 
 
 def convert_human(m: HumanMotion, kin: G1Kinematics, args: Convert, report: ClipReport) -> None:
@@ -1055,22 +1021,15 @@ def convert_human(m: HumanMotion, kin: G1Kinematics, args: Convert, report: Clip
     joints = resample(dict(joints=m.joints), m.fps, FPS)["joints"].numpy()
     bounds = segment_bounds(len(joints), FPS, args.min_s, args.max_s, _where(m))
     keypoints, root_pos, root_quat = human_to_g1_keypoints(kin, joints)
-    meta = dict(fps=FPS, kind="human_keypoints", keypoint_names=KEYPOINT_NAMES, text=args.text, source=m.source,
-                license=_license(pathlib.Path(m.source), args.license))
-    for s, (a, b) in enumerate(bounds):
-        window = dict(keypoints_w=keypoints[a:b], root_pos_w=root_pos[a:b], root_quat_w=root_quat[a:b])
-        save_packet(args.out / f"{m.name}_seg{s:02d}.npz", {**meta, **window})
-        report.kept += 1
-        report.kept_s += (b - a) / FPS
+    write_segments(m, args, report, dict(kind="human_keypoints", keypoint_names=KEYPOINT_NAMES),
+                   dict(keypoints_w=keypoints, root_pos_w=root_pos, root_quat_w=root_quat), bounds)
 
 
 def convert(args: Convert) -> list[ClipReport]:
     """Convert every file; a bad file or clip is reported (one line on stderr) and skipped."""
     try:
         args.out.mkdir(parents=True, exist_ok=True)
-        probe = args.out / f".ssjr-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        tempfile.TemporaryFile(dir=args.out).close()
     except OSError as e:
         raise InputError(args.out, f"output folder is not writable ({e.strerror or e})") from None
     kin = G1Kinematics()
@@ -1103,24 +1062,20 @@ def convert(args: Convert) -> list[ClipReport]:
 
 
 def summary_table(reports: list[ClipReport], seconds: float) -> str:
-    """The per-clip table and the totals printed by `convert`: clips kept / dropped and why, minutes kept."""
+    """What `convert` prints: one row per clip, then the totals (clips and segments kept, dropped and why)."""
     lines = [f"{'clip':<44} {'kind':<6} {'fps':>4} {'src s':>6} {'kept':>4} {'kept s':>7} {'glitch fr':>9} "
              f"{'clipped':>7}  dropped / note"]
-    clip_reasons: dict[str, int] = {}
-    segment_reasons: dict[str, int] = {}
+    dropped: dict[str, int] = {}
     for r in reports:
-        dropped = [f"{n} seg: {k}" for k, n in r.dropped.items()]
-        lines.append(f"{r.clip[:44]:<44} {r.kind:<6} {r.fps_in:>4.0f} {r.seconds:>6.1f} {r.kept:>4} {r.kept_s:>7.1f} "
-                     f"{r.glitch_frames:>9} {r.clipped_frames:>7}  {r.problem or ', '.join(dropped + r.notes)}")
-        why = r.problem.split(" (")[0].split(";")[0].split(":")[0] or ("" if r.kept else "all segments dropped")
-        if why:
-            clip_reasons[why] = clip_reasons.get(why, 0) + 1
         for k, n in r.dropped.items():
-            segment_reasons[k] = segment_reasons.get(k, 0) + n
+            dropped[k] = dropped.get(k, 0) + n
+        note = r.problem or ", ".join([f"{n} seg: {k}" for k, n in r.dropped.items()] + r.notes)
+        lines.append(f"{r.clip[:44]:<44} {r.kind:<6} {r.fps_in:>4.0f} {r.seconds:>6.1f} {r.kept:>4} {r.kept_s:>7.1f} "
+                     f"{r.glitch_frames:>9} {r.clipped_frames:>7}  {note}")
     kept = sum(1 for r in reports if r.kept)
-    lines.append(f"clips: {len(reports)} in, {kept} kept, {len(reports) - kept} dropped {clip_reasons or ''}")
-    lines.append(f"segments: {sum(r.kept for r in reports)} kept, {sum(segment_reasons.values())} dropped "
-                 f"{segment_reasons or ''}; IK-glitch frames repaired: {sum(r.glitch_frames for r in reports)}")
+    lines.append(f"clips: {len(reports)} in, {kept} kept, {len(reports) - kept} dropped; segments: "
+                 f"{sum(r.kept for r in reports)} kept, dropped {dropped or 'none'}; IK-glitch frames repaired: "
+                 f"{sum(r.glitch_frames for r in reports)}")
     lines.append(f"motion: {sum(r.seconds for r in reports) / 60:.1f} min in, "
                  f"{sum(r.kept_s for r in reports) / 60:.1f} min kept; took {seconds:.1f} s")
     return "\n".join(lines)
@@ -1137,110 +1092,61 @@ def train_test_split(packet_paths) -> tuple[list, list]:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 9. Looking at a motion: a strip of skeleton frames (.png) or an animation (.mp4 / .gif), z-up, equal axes.
-def _skeleton(points: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]], list[str]]:
-    """Points to draw [T,P,3] and their lines (with colours): the G1 tree when B = 30 (plus a drawn neck and head:
-    torso_link's origin sits at the waist), KEYPOINT_EDGES when B = J, no lines otherwise."""
-    if points.shape[1] == len(BODY_NAMES):
-        names = list(BODY_NAMES)
-        shoulders = [BODY_NAMES.index("left_shoulder_pitch_link"), BODY_NAMES.index("right_shoulder_pitch_link")]
-        torso = BODY_NAMES.index("torso_link")
-        neck = points[:, shoulders].mean(axis=1)
-        head = neck + 0.12 * (neck - points[:, torso]) / np.linalg.norm(neck - points[:, torso], axis=-1)[:, None]
-        points = np.concatenate((points, neck[:, None], head[:, None]), axis=1)
-        n = len(BODY_NAMES)
-        edges = [(p, i) for i, p in enumerate(BODY_PARENTS) if p >= 0 and i not in shoulders]
-        edges += [(torso, n), (n, n + 1), (n, shoulders[0]), (n, shoulders[1])]
-        names += ["neck", "head"]
-    elif points.shape[1] == len(KEYPOINT_NAMES):
-        names, edges = list(KEYPOINT_NAMES), list(KEYPOINT_EDGES)
-    else:
-        return points, [], []
-    side = lambda n: "tab:blue" if n.startswith("left") else "tab:red" if n.startswith("right") else "0.25"  # noqa
-    return points, edges, [side(names[b]) for _, b in edges]
-
-
 def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
                   extra_points: np.ndarray | None = None, title: str = "") -> pathlib.Path:
     """Draw body_pos [T,B,3] (lines along the G1 tree when B = 30, along KEYPOINT_EDGES when B = J) with
-    extra_points [T,J,3] highlighted: .png = a strip of 8 frames, .mp4 / .gif = an animation at fps. z-up, equal
-    axes, the camera follows the root (point 0), its path drawn on the ground."""
+    extra_points [T,J,3] as orange dots: .png = a strip of 8 frames, .mp4 / .gif = an animation at fps. z-up, equal
+    axes, the view follows the root (point 0)."""
+    from matplotlib import animation, rcParams
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     out_path = pathlib.Path(out_path)
-    suffix = out_path.suffix.lower()
-    if suffix not in (".png", ".mp4", ".gif"):
+    if out_path.suffix.lower() not in (".png", ".mp4", ".gif"):
         raise InputError(out_path, "render to .png, .mp4 or .gif")
-    body_pos = np.asarray(body_pos, dtype=np.float64)
-    points, edges, colors = _skeleton(body_pos)
-    everything = points if extra_points is None else np.concatenate((points, extra_points), axis=1)
-    center = body_pos[:, 0, :2]
-    half = max(0.5, np.abs(everything[..., :2] - center[:, None]).max() + 0.05, 0.5 * everything[..., 2].max() + 0.05)
+    pos = np.asarray(body_pos, dtype=np.float64)
+    edges, names = {len(BODY_NAMES): ([(p, i) for i, p in enumerate(BODY_PARENTS) if p >= 0], BODY_NAMES),
+                    len(KEYPOINT_NAMES): (KEYPOINT_EDGES, KEYPOINT_NAMES)}.get(pos.shape[1], ((), ()))
+    colors = ["tab:blue" if names[b].startswith("left") else "tab:red" if names[b].startswith("right") else "0.25"
+              for _, b in edges]
+    every = pos if extra_points is None else np.concatenate((pos, extra_points), axis=1)
+    half = max(0.5, np.abs(every[..., :2] - pos[:, :1, :2]).max() + 0.05, 0.5 * every[..., 2].max() + 0.05)
 
-    def make(ax):
-        """Create the artists of one view once; the returned update(t, label) moves them to frame t."""
-        grid = [ax.plot([], [], [], color="0.85", lw=0.6)[0] for _ in range(10)]
-        path = ax.plot([], [], [], color="0.55", lw=1.2)[0]
-        lines = [ax.plot([], [], [], color=c, lw=2.5, solid_capstyle="round")[0] for c in colors]
-        dots = ax.scatter(*points[0].T, s=5, color="0.2", depthshade=False)
-        keys = None if extra_points is None else ax.scatter(*np.asarray(extra_points[0]).T, s=45, color="orange",
-                                                             edgecolors="k", linewidths=0.6, depthshade=False)
-        ax.set_box_aspect((1, 1, 1))
+    def draw(ax, t: int) -> None:
+        ax.cla()
+        for (a, b), color in zip(edges, colors):
+            ax.plot(*pos[t, [a, b]].T, color=color, lw=2.5, solid_capstyle="round")
+        ax.scatter(*pos[t].T, s=5, color="0.2", depthshade=False)
+        if extra_points is not None:
+            ax.scatter(*np.asarray(extra_points[t]).T, s=45, color="orange", edgecolors="k", linewidths=0.6,
+                       depthshade=False)
+        cx, cy = pos[t, 0, :2]  # the floor pane of the box is the ground, z = 0
+        ax.set(xlim=(cx - half, cx + half), ylim=(cy - half, cy + half), zlim=(0, 2 * half), box_aspect=(1, 1, 1))
         ax.view_init(elev=10, azim=-60)
-        for axis, name in zip((ax.xaxis, ax.yaxis, ax.zaxis), "xyz"):
-            axis.set_label_text(f"{name} (m)", fontsize=7)
-            axis.labelpad = -9
         ax.tick_params(labelsize=6, pad=-3)
+        ax.set_title(f"t = {t / fps:.2f} s", fontsize=9, pad=-2)
 
-        def update(t: int, label: str) -> None:
-            cx, cy = center[t]
-            for k, g in enumerate(np.linspace(-half, half, 5)):  # ground grid at z = 0
-                grid[2 * k].set_data_3d([cx + g, cx + g], [cy - half, cy + half], [0, 0])
-                grid[2 * k + 1].set_data_3d([cx - half, cx + half], [cy + g, cy + g], [0, 0])
-            trail = center[:t + 1].copy()
-            trail[(np.abs(trail - center[t]) > half).any(axis=1)] = np.nan
-            path.set_data_3d(trail[:, 0], trail[:, 1], np.zeros(len(trail)))
-            p = points[t]
-            for line, (a, b) in zip(lines, edges):
-                line.set_data_3d(*p[[a, b]].T)
-            dots._offsets3d = tuple(p.T)
-            if keys is not None:
-                keys._offsets3d = tuple(np.asarray(extra_points[t]).T)
-            ax.set(xlim=(cx - half, cx + half), ylim=(cy - half, cy + half), zlim=(0, 2 * half))
-            ax.set_title(label, fontsize=9, pad=-2)
-
-        return update
-
-    legend = "z up, metres; lines: left blue, right red" + (
-        "; orange dots: SSJR keypoints" if extra_points is not None else "")
-    heading = f"{title}\n{legend}" if title else legend
-    if suffix == ".png":
-        n = min(8, len(body_pos))
-        cols, rows = min(n, 4), int(np.ceil(n / 4))
-        fig = Figure(figsize=(3.3 * cols, 3.5 * rows + 0.6))
-        FigureCanvasAgg(fig)
-        for k, t in enumerate(np.linspace(0, len(body_pos) - 1, n).round().astype(int)):
-            make(fig.add_subplot(rows, cols, k + 1, projection="3d"))(t, f"t = {t / fps:.2f} s")
-        fig.suptitle(heading, fontsize=10, y=0.995)
-        fig.subplots_adjust(left=0.0, right=0.98, bottom=0.02, top=1 - 0.6 / (3.5 * rows + 0.6), wspace=0.05,
-                            hspace=0.1)
+    legend = "z up, metres; lines: left blue, right red" + ("" if extra_points is None else "; orange: SSJR keypoints")
+    png = out_path.suffix.lower() == ".png"
+    n = min(8, len(pos)) if png else 1
+    cols, rows = min(n, 4), int(np.ceil(n / 4))
+    fig = Figure(figsize=(3.3 * cols, 3.5 * rows + 0.6) if png else (5, 5.4))
+    FigureCanvasAgg(fig)
+    fig.suptitle(f"{title}\n{legend}" if title else legend, fontsize=9)
+    fig.subplots_adjust(left=0, right=1, bottom=0.02, top=0.9, wspace=0.05, hspace=0.1)
+    axes = [fig.add_subplot(rows, cols, k + 1, projection="3d") for k in range(n)]
+    if png:
+        for ax, t in zip(axes, np.linspace(0, len(pos) - 1, n).round().astype(int)):
+            draw(ax, t)
         fig.savefig(out_path, dpi=110)
         return out_path
-    import matplotlib
-    from matplotlib import animation
-    fig = Figure(figsize=(5, 5.4))
-    FigureCanvasAgg(fig)
-    update = make(fig.add_subplot(1, 1, 1, projection="3d"))
-    fig.suptitle(heading, fontsize=8)
-    fig.subplots_adjust(left=0, right=1, bottom=0, top=0.9)
-    anim = animation.FuncAnimation(fig, lambda t: update(t, f"t = {t / fps:.2f} s"), frames=len(body_pos))
-    if suffix == ".mp4":
+    if out_path.suffix.lower() == ".mp4":
         import imageio_ffmpeg
-        matplotlib.rcParams["animation.ffmpeg_path"] = imageio_ffmpeg.get_ffmpeg_exe()
+        rcParams["animation.ffmpeg_path"] = imageio_ffmpeg.get_ffmpeg_exe()
         writer = animation.FFMpegWriter(fps=fps, bitrate=1800)
     else:
         writer = animation.PillowWriter(fps=fps)
-    anim.save(out_path, writer=writer, dpi=100)
+    animation.FuncAnimation(fig, lambda t: draw(axes[0], t), frames=len(pos)).save(out_path, writer=writer, dpi=100)
     return out_path
 
 

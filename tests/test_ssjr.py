@@ -228,10 +228,9 @@ def test_glitch_repair_resample_and_segments():
     ramp = np.linspace(0, 1, 51)[:, None].repeat(29, 1)
     angle = np.linspace(0, 2.0, 51)
     quat = np.stack((np.cos(angle / 2), 0 * angle, 0 * angle, np.sin(angle / 2)), 1)
-    m = ssjr.RobotMotion("x", 50.0, np.zeros((51, 3)), quat, ramp, "x")
-    out, _ = ssjr.resample_robot(m, np.zeros(51, bool), 30.0)
-    assert len(out.dof_pos) == 31 and np.allclose(out.dof_pos[:, 0], np.linspace(0, 1, 31))
-    yaw = 2 * np.arctan2(out.root_quat[:, 3], out.root_quat[:, 0])
+    out = ssjr.resample(dict(root_quat=quat, dof_pos=ramp), 50.0, 30.0, ("root_quat",))
+    assert len(out["dof_pos"]) == 31 and np.allclose(out["dof_pos"][:, 0], np.linspace(0, 1, 31))
+    yaw = 2 * np.arctan2(out["root_quat"][:, 3], out["root_quat"][:, 0])
     assert np.allclose(yaw, np.linspace(0, 2.0, 31), atol=1e-6)
     assert ssjr.segment_bounds(300, 30.0) == [(0, 300)]
     assert ssjr.segment_bounds(301, 30.0) == [(0, 150), (150, 301)]
