@@ -40,7 +40,6 @@ import dataclasses
 import json
 import pathlib
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -53,7 +52,7 @@ import envs
 import ssjr
 import teacher
 from ssjr import InputError
-from teacher import (all_reduce_grads, any_rank, broadcast_from_rank0, build_env, check_layout, checkpoint_args, dist,
+from teacher import (all_reduce_grads, broadcast_from_rank0, build_env, check_layout, checkpoint_args, dist,
                      load_checkpoint, open_run_dir, restore, run_session, saved_rng, start_run)
 
 
@@ -255,12 +254,11 @@ def train(args: Args, env=None) -> pathlib.Path:
     labels = torch.zeros(T, n, 29, device=device)
     ep_len = torch.zeros(n, device=device)
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
-    start_time, start_step = time.time(), global_step
 
     with run_session(args, "student", state, policy, env, device, rank, world, global_step, iteration, curves,
-                     "distillation_curve.png") as (stop, end_iteration), \
+                     "distillation_curve.png") as (stopping, end_iteration), \
             contextlib.closing(env) if own_env else contextlib.nullcontext():
-        while global_step + per_iteration <= args.total_env_steps and not any_rank(stop["now"], world, device):
+        while global_step + per_iteration <= args.total_env_steps and not stopping():
             iteration += 1
             beta = args.beta * args.beta_decay ** (iteration - 1)
             # per-iteration sums on the device (read once per iteration): action mse, g-mpjpe, teacher-driven steps
@@ -298,12 +296,9 @@ def train(args: Args, env=None) -> pathlib.Path:
             (action_mse, gt_err_m, teacher_fraction), (episodes, *ep, nan_resets) = ((step_sums / T / world).tolist(),
                                                                                      totals.tolist())
             length, success = (x / episodes if episodes else float("nan") for x in ep)
-            elapsed = time.time() - start_time
-            sps = (global_step - start_step) / elapsed
             scalars = {"charts/action_mse": action_mse, "charts/success_rate": success,
                        "charts/episode_length": length, "charts/gt_err_mm": 1000 * gt_err_m, "charts/beta": beta,
-                       "charts/teacher_action_fraction": teacher_fraction, "charts/SPS": sps,
-                       "charts/nan_resets": nan_resets, "losses/dagger_mse_first_epoch": epoch_losses[0],
+                       "charts/teacher_action_fraction": teacher_fraction, "charts/nan_resets": nan_resets, "losses/dagger_mse_first_epoch": epoch_losses[0],
                        "losses/dagger_mse": epoch_losses[-1]}
             end_iteration(global_step, iteration, scalars,
                           f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | "

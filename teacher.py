@@ -285,34 +285,28 @@ def ppo_losses(agent, obs, actions, old_logprob, advantages, returns, clip_coef:
     return pg_loss, v_loss, approx_kl, clipfrac
 
 
-# --- checkpoints ----------------------------------------------------------------------------------------------------
-def save_checkpoint(path: pathlib.Path, payload: dict):
-    ssjr.write_atomic(path, lambda tmp: torch.save(payload, tmp))
-
-
+# --- checkpoints and the env they fix -------------------------------------------------------------------------------
 def load_checkpoint(path, kind: str | tuple[str, ...] = ("teacher", "student")) -> dict:
     """A checkpoint of `kind` (one of them, for a tuple), or an error naming the file."""
-    path = pathlib.Path(path)
+    path, kinds = pathlib.Path(path), (kind,) if isinstance(kind, str) else kind
     if not path.is_file():
         raise InputError(path, "checkpoint not found")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
-        first_line = (str(e).splitlines() or [""])[0][:200]
+        first_line = str(e).partition("\n")[0][:200]
         raise InputError(path, f"not a readable checkpoint ({type(e).__name__}: {first_line})")
-    kinds = (kind,) if isinstance(kind, str) else kind
-    if not isinstance(ckpt, dict) or ckpt.get("kind") not in kinds:
-        found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
+    found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
+    if found not in kinds:
         raise InputError(path, f"expected a {' or '.join(kinds)} checkpoint, found {found!r}")
     return ckpt
 
 
 def checkpoint_args(path, ckpt: dict, cls):
-    """The checkpoint's settings as `cls` (teacher or student Args); settings this version does not know fail."""
+    """The checkpoint's settings as `cls` (teacher or student Args)."""
     unknown = sorted(set(ckpt["args"]) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
-        raise InputError(path, f"settings {unknown} are unknown to this {cls.__module__}.py (checkpoint written by "
-                               f"another version)")
+        raise InputError(path, f"settings {unknown} are unknown to this {cls.__module__}.py (another version wrote it)")
     return cls(**ckpt["args"])
 
 
@@ -325,17 +319,14 @@ def check_layout(path, expected: dict, found: dict, keys):
 
 
 def saved_rng(resume: dict | None, env, device, rank: int) -> dict | None:
-    """--resume: this rank's learner and env random states; the env's are set here (before its first reset), the
-    learner's by restore(). None without --resume, and (fresh seed + rank streams) for a rank the checkpoint has no
-    state for (more ranks than it was written with) or on another device type (whose generators differ)."""
-    if resume is None:
-        return None
-    states, saved_on = resume["rng"], resume["args"]["device"]
-    if rank < len(states) and torch.device(saved_on).type == device.type:
+    """--resume: this rank's saved random streams; the env's are set here (before its first reset), the learner's by
+    restore(). None (fresh seed + rank streams) if the checkpoint has none for this rank (it was written by fewer
+    ranks) or was written on another device type (whose generators differ)."""
+    same_device = resume is not None and torch.device(resume["args"]["device"]).type == device.type
+    states = resume["rng"] if same_device else []
+    if rank < len(states):
         env.set_rng_state(states[rank]["env"])
         return states[rank]
-    print(f"rank {rank}: the checkpoint ({len(states)} ranks, {saved_on}) has no random state for it on {device.type}: "
-          f"its streams restart from the seed")
 
 
 def restore(resume: dict, path, model: nn.Module, optimizers: dict, rng: dict | None, device, rank: int):
@@ -348,7 +339,7 @@ def restore(resume: dict, path, model: nn.Module, optimizers: dict, rng: dict | 
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
-        if device.type == "cuda" and "cuda" in rng:
+        if device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], device)
     print(f"rank {rank}: resumed from {path} at step {resume['global_step']:,} (iteration {resume['iteration']})")
     return resume["global_step"], resume["iteration"]
@@ -360,15 +351,14 @@ def env_kwargs(args) -> dict:
 
 
 def robot_motions(motions: str) -> str | list[str]:
-    """--motions for a teacher, whose reward and observations need the robot's bodies and joints: human keypoint
+    """--motions for a teacher, whose reward and observations use the robot's bodies and joints: human keypoint
     commands in a folder are skipped (and named); a file or folder of nothing else is an error."""
     paths = envs.resolve_motions(motions)
     human = [p for p in paths if ssjr.packet_kind(p) == "human_keypoints"]
     if len(human) == len(paths):
-        raise InputError(motions, "only human keypoint commands: a teacher needs robot motions (SSJR packets of G1 "
-                                  "motion), its reward and observations use the robot's bodies and joints")
+        raise InputError(motions, "only human keypoint commands: a teacher needs robot motions (G1 SSJR packets)")
     if human:
-        print(f"skipping {len(human)} human keypoint command file(s) in {motions} (a teacher needs robot motions): "
+        print(f"skipping human keypoint commands in {motions} (a teacher needs robot motions): "
               f"{', '.join(p.name for p in human)}")
     return [str(p) for p in paths if p not in human] if human else motions
 
@@ -389,15 +379,6 @@ def load_policy(path, device="cpu"):
 
 
 # --- scale-out: torchrun starts one process (rank) per GPU or CPU core, each with its own env and learner replica ----
-def init_distributed(device: torch.device) -> tuple[int, int]:
-    """(rank, world size). Under torchrun (WORLD_SIZE > 1) this joins the process group: nccl on CUDA, gloo on the
-    CPU (multi-node: torchrun's --nnodes/--rdzv-* flags). A plain `python` run is rank 0 of 1."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return (dist.get_rank(), world) if world > 1 else (0, 1)
-
-
 def all_reduce_grads(params, world: int):
     """Average the gradients over the ranks in one flat all-reduce (as rsl_rl does)."""
     if world == 1:
@@ -417,34 +398,6 @@ def broadcast_from_rank0(module: nn.Module, world: int):
             dist.broadcast(t, 0)
 
 
-def any_rank(flag: bool, world: int, device) -> bool:
-    """True on every rank if it is true on one (a stop request: all ranks leave the loop at the same iteration)."""
-    if world == 1:
-        return flag
-    t = torch.tensor(float(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t)
-
-
-def all_ranks(x, world: int) -> list:
-    """Every rank's `x` (any picklable object), in rank order."""
-    if world == 1:
-        return [x]
-    out = [None] * world
-    dist.all_gather_object(out, x)
-    return out
-
-
-def rng_of_all_ranks(env, device, world: int) -> list[dict]:
-    """Every rank's learner (policy sampling, minibatch order) and env random states, in rank order: a checkpoint holds
-    them all for an exact --resume."""
-    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-              "env": env.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return all_ranks(states, world)
-
-
 # --- a training run: setup, logging, stop and crash handling (student.py uses these too) ----------------------------
 def parse_args(presets: dict | None = None):
     """`--preset NAME` picks the defaults (of PRESETS, or of `presets`); every other flag overrides them."""
@@ -458,9 +411,9 @@ def parse_args(presets: dict | None = None):
 
 
 def start_run(args, kind: str):
-    """Threads, device (checked within seconds, before any engine or checkpoint), process group, seeds (rank r:
-    seed + r), and the --resume checkpoint of `kind`, whose settings replace `args` but for the budget and the device.
-    Returns (args, resume checkpoint or None, device, rank, world)."""
+    """Threads, device (checked within seconds, before any engine or checkpoint), process group (torchrun: nccl on
+    CUDA, gloo on the CPU), seeds (rank r: seed + r), and the --resume checkpoint of `kind`, whose settings replace
+    `args` but for the budget and the device. Returns (args, resume checkpoint or None, device, rank, world)."""
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     device = torch.device(args.device)
@@ -471,16 +424,15 @@ def start_run(args, kind: str):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"--device {args.device}", f"CUDA is not available on this machine (torch "
                          f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
-    info = f"CPU ({torch.get_num_threads()} torch threads), torch {torch.__version__}"
     if device.type == "cuda":  # fp32 matmuls and convolutions use TF32; the CPU path stays exact fp32
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
-        gpu = torch.cuda.get_device_properties(device)
-        info = (f"{gpu.name} ({gpu.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA "
-                f"{torch.version.cuda}, TF32 matmuls, {'bf16 autocast' if args.amp else 'fp32 activations'}")
-    rank, world = init_distributed(device)
-    print(f"rank {rank} of {world}: {info}")
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    print(f"rank {rank} of {world}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
+          f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
@@ -495,52 +447,69 @@ def start_run(args, kind: str):
 def open_run_dir(args, sim: str, rank: int, world: int) -> pathlib.Path:
     """--run-dir or runs/{exp_name}_{sim}_{seed}_{time} (rank 0's name on every rank); rank 0 creates it and prints
     the configuration."""
-    run_dir = pathlib.Path(args.run_dir or all_ranks(f"runs/{args.exp_name}_{sim}_{args.seed}_{int(time.time())}",
-                                                     world)[0])
-    args.run_dir = str(run_dir)
+    name = [args.run_dir or f"runs/{args.exp_name}_{sim}_{args.seed}_{int(time.time())}"]
+    if world > 1:
+        dist.broadcast_object_list(name, 0)
+    args.run_dir = name[0]
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.run_dir).mkdir(parents=True, exist_ok=True)
         print("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
-    return run_dir
+    return pathlib.Path(args.run_dir)
 
 
 @contextlib.contextmanager
 def run_session(args, kind: str, state, model: nn.Module, env, device, rank: int, world: int, global_step: int,
                 iteration: int, curves: dict, png: str):
     """Around a training loop that starts after `iteration` iterations (`global_step` env-steps); yields
-    (stop, end_iteration):
-    - stop['now']: set by Ctrl-C or torchrun's SIGTERM; every rank finishes its iteration and leaves the loop.
-    - end_iteration(global_step, iteration, scalars, line): rank 0 logs `scalars` to TensorBoard and prints `line`
-      with the throughput (scalars['charts/SPS'], env-steps/s) and the time left; every --checkpoint-every
-      iterations rank 0 writes run_dir/{kind}.pt: {'kind', **state(), the counters, the world size and every rank's
-      random streams (for an exact --resume)}.
+    (stopping, end_iteration):
+    - stopping(): True on every rank once Ctrl-C or torchrun's SIGTERM reached one (all leave the loop together).
+    - end_iteration(global_step, iteration, scalars, line): rank 0 logs `scalars` and the throughput charts/SPS to
+      TensorBoard and prints `line`; every --checkpoint-every iterations rank 0 writes run_dir/{kind}.pt:
+      {'kind', **state(), the counters, the world size, every rank's random streams (for an exact --resume)}.
     On the way out the last finished iteration is saved (after a crash too, unless the weights went bad) and rank 0
     plots `curves` ({tag: title}) to run_dir/png."""
     from torch.utils.tensorboard import SummaryWriter
-    run_dir, first_iteration = pathlib.Path(args.run_dir), iteration
-    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_of_all_ranks(env, device, world)}
+    run_dir, first_iteration, start_step = pathlib.Path(args.run_dir), iteration, global_step
+
+    def rng_states() -> list[dict]:  # every rank's learner (sampling, minibatch order) and env streams, in rank order
+        states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                  "env": env.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(device)}
+                                                  if device.type == "cuda" else {})}
+        out = [states] * world
+        if world > 1:
+            dist.all_gather_object(out, states)
+        return out
 
     def checkpoint():
         if rank == 0 and finished["iteration"] > first_iteration:
-            save_checkpoint(run_dir / f"{kind}.pt", {"kind": kind, **state(), **finished, "world_size": world})
+            payload = {"kind": kind, **state(), **finished, "world_size": world}
+            ssjr.write_atomic(run_dir / f"{kind}.pt", lambda tmp: torch.save(payload, tmp))
+
+    def stopping() -> bool:
+        flag = torch.tensor(float(stop["now"]), device=device)
+        if world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag)
 
     def end_iteration(global_step: int, iteration: int, scalars: dict, line: str):
-        finished.update(global_step=global_step, iteration=iteration, rng=rng_of_all_ranks(env, device, world))
+        finished.update(global_step=global_step, iteration=iteration, rng=rng_states())
+        sps, total = (global_step - start_step) / (time.time() - start_time), args.total_env_steps
         if writer is not None:
-            for k, v in {**scalars, "iteration": iteration}.items():
+            for k, v in {**scalars, "charts/SPS": sps, "iteration": iteration}.items():
                 writer.add_scalar(k, v, global_step)
-            sps, total = scalars["charts/SPS"], args.total_env_steps
             print(f"it {iteration} step {global_step:,}/{total:,} | {sps:,.0f} env-steps/s | {line} | ETA "
                   f"{(total - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
         if iteration % args.checkpoint_every == 0:
             checkpoint()
 
+    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}
     stop = {"now": False}
     previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True)) for sig in (signal.SIGINT, signal.SIGTERM)}
     # rank 0 alone writes logs; a resumed run hides what was logged after its checkpoint's step
     writer = SummaryWriter(run_dir, purge_step=global_step + 1) if rank == 0 else None
+    start_time = time.time()
     try:
-        yield stop, end_iteration
+        yield stopping, end_iteration
     except BaseException:
         if all(p.isfinite().all() for p in model.parameters()):
             checkpoint()
@@ -565,24 +534,21 @@ def read_log(run_dir) -> dict[str, list[float]]:
 
 
 def plot_curves(run_dir, panels: dict[str, str], png: str) -> bool:
-    """The scalars `panels` ({tag: title}) vs env-steps, raw and a moving average over 20 iterations, ->
-    run_dir/png; False if nothing was logged yet."""
+    """The scalars `panels` ({tag: title}) vs env-steps, raw and a 20-iteration moving average -> run_dir/png; False
+    if nothing was logged yet."""
     from matplotlib.figure import Figure
     log = read_log(run_dir)
     if not log:
         return False
-    fig = Figure(figsize=(3 * len(panels), 3.2))
-    for i, (tag, title) in enumerate(panels.items()):
-        ax = fig.add_subplot(1, len(panels), i + 1)
+    fig, x = Figure(figsize=(3 * len(panels), 3.2), layout="tight"), log["global_step"]
+    for ax, (tag, title) in zip(fig.subplots(1, len(panels)), panels.items()):
         y = np.asarray(log[tag], dtype=float)
-        ax.plot(log["global_step"], y, alpha=0.35, lw=0.8)
+        ax.plot(x, y, alpha=0.35, lw=0.8)
         if len(y) >= 20:
-            smooth = np.convolve(np.nan_to_num(y, nan=np.nanmean(y)), np.ones(20) / 20, mode="valid")
-            ax.plot(log["global_step"][19:], smooth, lw=1.8)
+            ax.plot(x[19:], np.convolve(np.nan_to_num(y, nan=np.nanmean(y)), np.ones(20) / 20, mode="valid"), lw=1.8)
         ax.set_xlabel("env steps", fontsize=8)
         ax.set_title(title, fontsize=8)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
     fig.savefig(pathlib.Path(run_dir) / png, dpi=110)
     return True
 
@@ -624,12 +590,11 @@ def main(args: Args) -> pathlib.Path:
     logprobs, rewards, dones, time_outs, values = (torch.zeros(T, n, device=device) for _ in range(5))
     ep_return, ep_len = torch.zeros(n, device=device), torch.zeros(n, device=device)
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
-    start_time, start_step = time.time(), global_step
-    sim_time = 0.0
+    start_time, sim_time = time.time(), 0.0
 
     with run_session(args, "teacher", state, agent, env, device, rank, world, global_step, iteration, curves,
-                     "learning_curve.png") as (stop, end_iteration), contextlib.closing(env):
-        while global_step + per_iteration <= args.total_env_steps and not any_rank(stop["now"], world, device):
+                     "learning_curve.png") as (stopping, end_iteration), contextlib.closing(env):
+        while global_step + per_iteration <= args.total_env_steps and not stopping():
             iteration += 1
             # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps or episodes
             step_sums = torch.zeros(2 + len(envs.REWARD_COEFFS), device=device)  # gt_err_m, mpjpe_m, reward terms
@@ -728,12 +693,10 @@ def main(args: Args) -> pathlib.Path:
             scalars = dict(zip(on_device, host))
             (gt_err_m, mpjpe_m, *terms), (episodes, *ep, nan_resets) = host[len(on_device):-5], host[-5:]
             ep_return_mean, ep_len_mean, success = (x / episodes if episodes else float("nan") for x in ep)
-            elapsed = time.time() - start_time
-            sps = (global_step - start_step) / elapsed
             scalars.update({"charts/episode_return": ep_return_mean, "charts/episode_length": ep_len_mean,
                             "charts/success_rate": success, "charts/gt_err_mm": 1000 * gt_err_m,
-                            "charts/mpjpe_mm": 1000 * mpjpe_m, "charts/SPS": sps,
-                            "charts/sim_time_fraction": sim_time / elapsed, "charts/nan_resets": nan_resets,
+                            "charts/mpjpe_mm": 1000 * mpjpe_m, "charts/nan_resets": nan_resets,
+                            "charts/sim_time_fraction": sim_time / (time.time() - start_time),
                             "losses/actor_lr": actor_opt.param_groups[0]["lr"],
                             **{f"rewards/{k}": v for k, v in zip(envs.REWARD_COEFFS, terms)}})
             end_iteration(global_step, iteration, scalars,

@@ -64,7 +64,6 @@ def bad_files(tmp_path_factory):
     (["teacher.py", "--preset", "cpu", "--motions", "{d}/keypoints/131_01_seg00.npz"], ["131_01_seg00.npz: only"]),
     (["teacher.py", "--preset", "cpu", "--amp"], ["--amp", "CUDA"]),
     (["envs.py", "bench", "--sim", "mujoco"], ["--sim", "mujoco"]),
-    (["hcdr.py", "probe", "--sim", "genesis", "--motions", "{d}/missing.npz"], ["missing.npz: no such motion"]),
     (["student.py", "--preset", "cpu", "--teacher-ckpt", "{d}/truncated.pt"], ["truncated.pt: not a readable"]),
     (["student.py", "--preset", "cpu", "--teacher-ckpt", "{d}/student.pt"], ["expected a teacher checkpoint"]),
     (["student.py", "--preset", "cpu", "--resume", "{d}/teacher.pt", "--teacher-ckpt", "x"], ["found 'teacher'"]),

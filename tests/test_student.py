@@ -47,10 +47,10 @@ def make_teacher_ckpt(path, layout=LAYOUT, env_cfg=None, perturb=True) -> pathli
     agent = teacher.Agent(layout, TEACHER_CPU)
     if perturb:
         perturb_heads(agent)
-    teacher.save_checkpoint(pathlib.Path(path), {
+    torch.save({
         "kind": "teacher", "args": dataclasses.asdict(TEACHER_CPU), "obs_layout": layout, "model": agent.state_dict(),
         "env_cfg": env_cfg or {"sim": "genesis", "motions": "x.npz", "terrain": "flat", "dr": "default"},
-        "global_step": 0})
+        "global_step": 0}, path)
     return pathlib.Path(path)
 
 
@@ -60,9 +60,9 @@ def make_student_ckpt(path, args=CPU) -> tuple[pathlib.Path, student.StudentPoli
     perturb_heads(policy)
     policy.actor.update_norms(random_obs(64, seed=5))
     policy.alpha_0.normal_(0.0, 0.3)
-    teacher.save_checkpoint(pathlib.Path(path), {
+    torch.save({
         "kind": "student", "args": dataclasses.asdict(args), "obs_layout": LAYOUT, "model": policy.state_dict(),
-        "env_cfg": {"sim": "genesis", "motions": "x.npz", "terrain": "flat", "dr": "default"}, "global_step": 7})
+        "env_cfg": {"sim": "genesis", "motions": "x.npz", "terrain": "flat", "dr": "default"}, "global_step": 7}, path)
     return pathlib.Path(path), policy.eval()
 
 
@@ -286,8 +286,8 @@ def test_env_evaluate_and_export_read_one_keypoint_command(train_packet, tmp_pat
     import onnxruntime as ort
     path, policy = make_student_ckpt(tmp_path / "s.pt")
     session = ort.InferenceSession(str(student.export(student.Export(ckpt=str(path), onnx=str(tmp_path / "s.onnx")))))
-    ckpt = {"env_cfg": {"sim": "genesis", "motions": str(train_packet), "terrain": "flat", "dr": "default"}}
-    with evaluate.opened_env(ckpt, path, evaluate.parse_setting("genesis", "genesis"), [train_packet], 2, "cpu",
+    env_cfg = {"sim": "genesis", "motions": str(train_packet), "terrain": "flat", "dr": "default"}
+    with evaluate.opened_env(env_cfg, evaluate.parse_setting("genesis", "genesis"), [train_packet], 2, "cpu",
                              seed=0) as env:
         obs = env.reset()
         for _ in range(5):
