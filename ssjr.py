@@ -1,14 +1,9 @@
 """SSJR: the Standardized Sparse-Joint Representation of HoRD (paper Sec. 3.2).
 
-Every motion source becomes one representation the teacher, the student and the evaluation read:
-  load      G1 CSV (xyzw root quat), BeyondMimic/mjlab npz, PHC pkl, AMASS npz (+ the user's SMPL model), BVH
-  clean     unit and sign-continuous root quaternions, IK-flip repair (joint speed > 25 rad/s), joint limits
-  resample  to 30 fps (linear for positions and joint angles, slerp for rotations)
-  segment   into 2-10 s clips; drop those with limit violations or > 5% of frames in the ground (paper)
-  FK        batched torch forward kinematics of the G1 MJCF -> world poses of all 30 bodies, velocities
-  packet    one float32 .npz per segment (layout of the paper's example, see PACKET_KEYS and the contract)
-  keypoints the sparse joint set KEYPOINT_NAMES, root-relative in the heading frame: the student's command Y_t.
-Robot sources give full packets; human sources (AMASS joints, BVH) give keypoint commands scaled to the G1.
+load (G1 CSV, BeyondMimic/mjlab npz, PHC pkl, AMASS npz + the user's SMPL model, BVH) -> clean (root quaternions,
+IK flips, joint limits) -> resample to 30 fps -> segment into 2-10 s clips -> FK of the G1 MJCF -> one float32 .npz
+packet per segment (PACKET_KEYS). Robot sources give full packets; human sources (AMASS, BVH) give keypoint commands
+scaled to the G1. The student's command Y_t is the sparse keypoint set KEYPOINT_NAMES in the robot's heading frame.
 
   python ssjr.py convert ../shared/data/g1_moves --out data/packets/g1_moves
   python ssjr.py info data/packets/g1_moves/M_Move7_seg00.npz
@@ -16,6 +11,7 @@ Robot sources give full packets; human sources (AMASS joints, BVH) give keypoint
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import glob
 import json
@@ -77,15 +73,13 @@ def g1_mjcf_path() -> pathlib.Path:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 1. The SSJR sparse joint set J. Robot bodies whose origins a human mocap also measures well: the root, both knees,
-#    ankles, shoulders, elbows and wrists. torso_link is left out on purpose: its origin sits 4.4 cm above the pelvis
-#    (it carries no information the pelvis does not), while the two shoulders fix the torso's lean and twist.
+# 1. The SSJR sparse joint set J: bodies whose origins a human mocap also measures well. torso_link is left out: its
+#    origin sits 4.4 cm above the pelvis, while the two shoulders fix the torso's lean and twist.
 KEYPOINT_NAMES = ("pelvis", "left_knee_link", "right_knee_link", "left_ankle_roll_link", "right_ankle_roll_link",
                   "left_shoulder_roll_link", "right_shoulder_roll_link", "left_elbow_link", "right_elbow_link",
                   "left_wrist_yaw_link", "right_wrist_yaw_link")
 KEYPOINT_BODY_IDS = tuple(BODY_NAMES.index(n) for n in KEYPOINT_NAMES)
-# Parent of each body (pelvis: -1): legs hang off the pelvis, the waist chain ends in torso_link (15), the arms hang
-# off torso_link. G1Kinematics reads the same tree from the MJCF (tested equal); this copy lets drawing skip the XML.
+# Parent of each body (pelvis: -1), as G1Kinematics reads it from the MJCF (tested equal); drawing skips the XML.
 BODY_PARENTS = (-1, 0, 1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11, 0, 13, 14, 15, 16, 17, 18, 19, 20, 21,
                 15, 23, 24, 25, 26, 27, 28)
 # Lines drawn between keypoints when a keypoint-only motion (a human command) is drawn.
@@ -212,9 +206,8 @@ def root_relative(points_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 3. Forward kinematics straight from the MJCF tree: per body its offset (pos, quat) in the parent frame and the hinge
-#    axis of the joint that moves it (the pinned G1 MJCF: hinges at the body origins, capsules given by fromto). No
-#    physics engine: world pose of body i = parent pose * offset * hinge rotation.
+# 3. Forward kinematics straight from the MJCF tree (no physics engine): world pose of body i = parent pose * offset
+#    (pos, quat in the parent frame) * rotation about its hinge axis (the pinned G1 MJCF: hinges at the body origins).
 def _mjcf_defaults(root: ET.Element) -> dict[str, dict[str, dict[str, str]]]:
     """class name -> tag -> attributes, with nested <default> classes inheriting from their parent class."""
     table: dict[str, dict[str, dict[str, str]]] = {}
@@ -312,11 +305,9 @@ class G1Kinematics:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 4. SSJR command Y_t, the student's motion input, and the one place it is computed (env, evaluate, ONNX export):
-#    the command's sparse keypoints over the window t-7..t+2 in the heading frame of the ROBOT's root at t. Relative
-#    to the robot (not to the command's own root), the command tells the student where the motion is relative to
-#    where it stands, so root drift is observable and corrected; the price is that deployment needs a root pose
-#    estimate (position from odometry or mocap, yaw from the IMU), in the same world frame as the command.
+# 4. SSJR command Y_t (the one place it is computed: env, evaluate, ONNX export): the command's keypoints over the
+#    window t-7..t+2 in the heading frame of the ROBOT's root at t, so root drift is observable and corrected; the
+#    price is that deployment needs a root pose estimate (odometry or mocap, yaw from the IMU) in the command's frame.
 def keypoint_command(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> torch.Tensor:
     """Y_t [...,H,J*3] (metres) from the command's world keypoints [...,H,J,3] (KEYPOINT_NAMES order, z up) and the
     robot's root pose at t (pelvis position [...,3], quaternion wxyz [...,4]; only its yaw is used): each keypoint
@@ -326,9 +317,7 @@ def keypoint_command(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_q
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 5. Loading. Every loader turns one file into clips of a common raw form: a robot motion (fps, root pos [T,3],
-#    root quat wxyz [T,4], dof pos [T,29] in DOF_NAMES order) or a human motion (fps, HUMAN_JOINTS positions [T,13,3],
-#    metres, z-up). Any problem with an input is an InputError whose message starts with the file's path.
+# 5. Loading: every loader turns one file into RobotMotion or HumanMotion clips (source frame rate, z-up, metres).
 class InputError(ValueError):
     """A user's mistake: a bad file, folder, flag or checkpoint; str(e) is one line: '<path or flag>: <problem>'.
     Every script prints it as `error: <str(e)>` and exits 1 (any other exception is a bug and keeps its traceback)."""
@@ -365,7 +354,6 @@ class HumanMotion:
     notes: list[str] = field(default_factory=list)
 
 
-MOTION_SUFFIXES = (".csv", ".npz", ".pkl", ".bvh")
 WRIST_DOF_IDS = (19, 20, 21, 26, 27, 28)  # the 6 wrist joints a 23-DoF G1 lacks
 DOF23_IDS = tuple(i for i in range(29) if i not in WRIST_DOF_IDS)
 
@@ -383,12 +371,9 @@ def detect_format(path: pathlib.Path) -> str:
                 keys = set(npz.files)
         except Exception as e:
             raise InputError(path, f"corrupt npz ({type(e).__name__}: {e})") from None
-        if "poses" in keys:
-            return "amass"
-        if "joint_pos" in keys:
-            return "mjlab"
-        raise InputError(path, f"npz is neither AMASS (poses, trans) nor BeyondMimic/mjlab (joint_pos): "
-                                f"keys {sorted(keys)}")
+        if keys & {"poses", "joint_pos"}:
+            return "amass" if "poses" in keys else "mjlab"
+        raise InputError(path, f"npz is neither AMASS (poses) nor BeyondMimic/mjlab (joint_pos): keys {sorted(keys)}")
     if head.lstrip().upper().startswith(b"HIERARCHY"):
         return "bvh"
     if all(c in b"0123456789.,-+eE \t\r\ninfaINFA" for c in head):
@@ -410,13 +395,9 @@ def _fps(path: pathlib.Path, value, flag_fps: float | None) -> float:
 
 def _manifest_fps(path: pathlib.Path) -> float | None:
     """G1 Moves ships manifest.json with each clip's fps: use it when a parent folder has one."""
-    for folder in list(path.parents)[:3]:
-        manifest = folder / "manifest.json"
-        if manifest.exists():
-            try:
-                return float(json.loads(manifest.read_text())["clips"][path.stem]["fps"])
-            except (KeyError, ValueError, TypeError):
-                return None
+    manifest = next((d / "manifest.json" for d in list(path.parents)[:3] if (d / "manifest.json").exists()), None)
+    with contextlib.suppress(AttributeError, KeyError, ValueError, TypeError):
+        return float(json.loads(manifest.read_text())["clips"][path.stem]["fps"])
     return None
 
 
@@ -439,10 +420,7 @@ def _robot_motion(path: pathlib.Path, name: str, fps: float, root_pos, root_quat
 
 def load_g1_csv(path: pathlib.Path, fps: float | None = None, allow_23dof: bool = False) -> list[RobotMotion]:
     """Retargeted G1 CSV (G1 Moves, Unitree LAFAN1-G1): no header, per row root xyz, root quat xyzw, 29 joints."""
-    try:
-        data = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
-    except ValueError as e:
-        raise InputError(path, f"not a numeric CSV ({e})") from None
+    data = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)  # not numeric: load_motions' InputError
     if data.shape[1] not in (36, 30):
         raise InputError(path, f"wrong column count {data.shape[1]}: expected 36 (root xyz, quat xyzw, 29 joints) or "
                                 f"30 (23 joints)")
@@ -461,16 +439,12 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
         root_pos, root_quat, dof = joint_pos[:, :3], joint_pos[:, 3:7], joint_pos[:, 7:]
     else:
         if "body_pos_w" not in d or "body_quat_w" not in d:
-            raise InputError(path, "no root pose: joint_pos has no root columns and body_pos_w/body_quat_w are "
-                                    "missing")
+            raise InputError(path, "no root pose: joint_pos has no root columns and body_pos_w/body_quat_w are missing")
         names = [str(n) for n in d.get("body_names", ["pelvis"])]
         root = names.index("pelvis") if "pelvis" in names else 0
         root_pos, root_quat, dof = d["body_pos_w"][:, root], d["body_quat_w"][:, root], joint_pos
     if "joint_names" in d and dof.shape[1] == 29:  # without names, joints are taken to be in MuJoCo order
         names = [str(n) for n in d["joint_names"]]
-        missing = [n for n in DOF_NAMES if n not in names]
-        if missing:
-            raise InputError(path, f"joint_names lacks {missing[:3]}...")
         dof = dof[:, [names.index(n) for n in DOF_NAMES]]
     return [_robot_motion(path, path.stem, fps, root_pos, root_quat, dof, allow_23dof)]
 
@@ -497,27 +471,24 @@ SMPL_JOINT_IDS = (0, 1, 2, 4, 5, 7, 8, 16, 17, 18, 19, 20, 21)  # HUMAN_JOINTS i
 
 def load_smpl_model(path: pathlib.Path) -> dict[str, np.ndarray]:
     """The user's SMPL-family body model (.npz as shipped for AMASS, or a chumpy-free .pkl): rest joints + parents."""
+    keys = ("v_template", "shapedirs", "J_regressor", "kintree_table")
     try:
         if path.suffix == ".pkl":
             import pickle
             with open(path, "rb") as f:
-                model = dict(pickle.load(f, encoding="latin1"))
+                model = pickle.load(f, encoding="latin1")
         else:
             with np.load(path, allow_pickle=False) as npz:
                 model = dict(npz)
-    except ModuleNotFoundError as e:
-        raise InputError(path, f"SMPL model pickle needs {e.name}; save it as .npz (v_template, shapedirs, "
-                                f"J_regressor, kintree_table) instead") from None
-    except Exception as e:
-        raise InputError(path, f"cannot read the SMPL model ({type(e).__name__}: {e})") from None
-    missing = [k for k in ("v_template", "shapedirs", "J_regressor", "kintree_table") if k not in model]
-    if missing:
-        raise InputError(path, f"not an SMPL model file: missing {missing}")
+        model = {k: model[k] for k in keys}
+    except Exception as e:  # a pickle that needs chumpy: ModuleNotFoundError
+        raise InputError(path, f"cannot read the SMPL model ({type(e).__name__}: {e}); it needs {', '.join(keys)} "
+                               f"(save a chumpy pickle as .npz)") from None
     regressor = model["J_regressor"]
-    regressor = np.asarray(regressor.toarray() if hasattr(regressor, "toarray") else regressor, np.float64)
     parents = np.asarray(model["kintree_table"], np.int64)[0].copy()
     parents[0] = -1
-    return dict(v_template=np.asarray(model["v_template"], np.float64), J_regressor=regressor, parents=parents,
+    return dict(v_template=np.asarray(model["v_template"], np.float64), parents=parents,
+                J_regressor=np.asarray(regressor.toarray() if hasattr(regressor, "toarray") else regressor, np.float64),
                 shapedirs=np.asarray(model["shapedirs"], np.float64))
 
 
@@ -547,16 +518,14 @@ def load_amass_npz(path: pathlib.Path, fps: float | None = None, smpl_model: pat
     if smpl_model is None:
         raise InputError(path, "AMASS/SMPL poses need the SMPL body model, which is licensed and not shipped; "
                                 "download it (smpl.is.tue.mpg.de) and pass --smpl-model /path/to/model.npz")
-    rate = d.get("mocap_framerate", d.get("mocap_frame_rate"))
-    fps = _fps(path, rate, fps)
+    fps = _fps(path, d.get("mocap_framerate", d.get("mocap_frame_rate")), fps)
     poses, trans = np.asarray(d["poses"], np.float64), np.asarray(d["trans"], np.float64)
-    if poses.ndim != 2 or poses.shape[1] < 66 or len(poses) == 0 or trans.shape != (len(poses), 3):
+    if poses.ndim != 2 or poses.shape[1] < 66 or trans.shape != (len(poses), 3):
         raise InputError(path, f"AMASS poses must be [T,>=66] with trans [T,3], got {poses.shape} and {trans.shape}")
     betas = np.asarray(d.get("betas", np.zeros(0)), np.float64).reshape(-1)
     joints = smpl_joints(load_smpl_model(smpl_model), poses, trans, betas)[:, SMPL_JOINT_IDS]
-    gender = str(d.get("gender", "unknown"))
     return [HumanMotion(path.stem, fps, joints, str(path), [f"SMPL joints from {smpl_model.name} (clip gender "
-                                                             f"{gender})"])]
+                                                             f"{d.get('gender', 'unknown')})"])]
 
 
 # BVH joint names per HUMAN_JOINTS, first match wins (CMU/cgspeed, Mixamo/LAFAN1, Poser). Mixamo's 'LeftShoulder' is
@@ -610,9 +579,7 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
     if not np.isfinite(frame_time) or frame_time <= 0:
         raise InputError(path, f"invalid frame rate (Frame Time {frame_time})")
     motion, axes = torch.tensor(values.reshape(n_frames, n_chan)), torch.eye(3, dtype=torch.float64)
-    glob_p: list[torch.Tensor] = []
-    glob_q: list[torch.Tensor] = []
-    col = 0
+    glob_p, glob_q, col = [], [], 0
     for j, chans in enumerate(channels):
         local_p = torch.tensor(offsets[j], dtype=torch.float64).expand(n_frames, 3).clone()
         local_q = torch.tensor([1.0, 0, 0, 0], dtype=torch.float64).expand(n_frames, 4)
@@ -647,12 +614,10 @@ def load_motions(path: pathlib.Path, fmt: str = "auto", fps: float | None = None
     if not path.is_file():
         raise InputError(path, "no such file")
     fmt = detect_format(path) if fmt == "auto" else fmt
-    loaders = dict(g1csv=lambda: load_g1_csv(path, fps, allow_23dof),
-                   mjlab=lambda: load_mjlab_npz(path, fps, allow_23dof),
-                   phc=lambda: load_phc_pkl(path, fps, allow_23dof),
-                   amass=lambda: load_amass_npz(path, fps, smpl_model), bvh=lambda: load_bvh(path, bvh_scale_m, bvh_up))
     try:
-        return loaders[fmt]()
+        if fmt in ("g1csv", "mjlab", "phc"):
+            return dict(g1csv=load_g1_csv, mjlab=load_mjlab_npz, phc=load_phc_pkl)[fmt](path, fps, allow_23dof)
+        return load_amass_npz(path, fps, smpl_model) if fmt == "amass" else load_bvh(path, bvh_scale_m, bvh_up)
     except InputError:
         raise
     except (OSError, ValueError, KeyError, IndexError, TypeError, zipfile.BadZipFile, EOFError) as e:
@@ -666,9 +631,8 @@ def clean_quaternions(path: str, quat: np.ndarray, tol: float = 1e-2) -> np.ndar
     norm = np.linalg.norm(quat, axis=-1)
     if (norm < 1e-6).any():
         raise InputError(path, f"zero root quaternion at frame {int(np.argmax(norm < 1e-6))}")
-    bad = np.abs(norm - 1) > tol
-    if bad.any():
-        k = int(np.argmax(bad))
+    if (np.abs(norm - 1) > tol).any():
+        k = int(np.argmax(np.abs(norm - 1) > tol))
         raise InputError(path, f"non-unit root quaternion at frame {k} (|q| = {norm[k]:.4f}; expected 1)")
     quat = quat / norm[:, None]
     flips = np.cumsum(np.r_[0, (quat[1:] * quat[:-1]).sum(-1) < 0]) % 2 == 1
@@ -748,9 +712,7 @@ HUMAN_KEYS = ("fps", "kind", "keypoint_names", "keypoints_w", "root_pos_w", "roo
 
 def angular_velocity(quat: torch.Tensor, dt_s: float) -> torch.Tensor:
     """World-frame angular velocity [T,...,3] of rotations quat [T,...,4]: central differences
-    log(q_{t+1} q_{t-1}^-1) / 2dt inside, one-sided at the two ends."""
-    if len(quat) < 2:
-        return torch.zeros(quat.shape[:-1] + (3,), dtype=quat.dtype)
+    log(q_{t+1} q_{t-1}^-1) / 2dt inside, one-sided at the two ends (T >= 2)."""
     ends = quat_to_rotvec(quat_mul(quat[1:], quat_conj(quat[:-1]))) / dt_s  # [T-1]: forward differences
     inner = quat_to_rotvec(quat_mul(quat[2:], quat_conj(quat[:-2]))) / (2 * dt_s)
     return torch.cat((ends[:1], inner, ends[-1:]), dim=0)
@@ -870,16 +832,10 @@ def load_packet(path: str | os.PathLike) -> dict:
     missing = [k for k in (HUMAN_KEYS if kind == "human_keypoints" else PACKET_KEYS) if k not in raw]
     if missing:
         raise InputError(path, f"not an SSJR packet: missing {missing}")
-    out: dict = {}
-    for k, v in raw.items():
-        if v.ndim == 0:
-            out[k] = float(v) if v.dtype.kind == "f" else str(v)
-        elif v.dtype.kind == "U":
-            out[k] = [str(s) for s in v]
-        else:
-            out[k] = v
-    out["kind"] = kind
-    return out
+    def plain(v: np.ndarray):  # scalars -> float / str, name arrays -> lists of str, the rest stays an array
+        return (float(v) if v.dtype.kind == "f" else str(v)) if v.ndim == 0 else \
+            v.tolist() if v.dtype.kind == "U" else v
+    return {**{k: plain(v) for k, v in raw.items()}, "kind": kind}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -938,27 +894,17 @@ class ClipReport:
     clipped_frames: int = 0
     notes: list[str] = field(default_factory=list)
     error: str = ""  # the one-line InputError that stopped the clip
-    problem: str = ""  # the same without the path
 
 
 def motion_files(src: tuple[pathlib.Path, ...]) -> list[pathlib.Path]:
-    """Files as given, plus the motion files inside given folders (sorted)."""
-    files: list[pathlib.Path] = []
-    for s in map(pathlib.Path, src):
-        if s.is_dir():
-            files += sorted(p for p in s.rglob("*") if p.suffix.lower() in MOTION_SUFFIXES and p.is_file())
-        else:
-            files.append(s)
-    return files
+    """Files as given, plus the motion files (.csv .npz .pkl .bvh) inside given folders (sorted)."""
+    return [f for s in map(pathlib.Path, src) for f in ([s] if not s.is_dir() else sorted(
+        p for p in s.rglob("*") if p.suffix.lower() in (".csv", ".npz", ".pkl", ".bvh") and p.is_file()))]
 
 
 def _license(path: pathlib.Path, flag: str) -> str:
-    if flag:
-        return flag
-    for folder in list(path.parents)[:3]:
-        if (folder / "SOURCE.txt").exists():
-            return " ".join((folder / "SOURCE.txt").read_text().split())
-    return "unknown (not stated by the source)"
+    found = [d / "SOURCE.txt" for d in list(path.parents)[:3] if (d / "SOURCE.txt").exists()]
+    return flag or (" ".join(found[0].read_text().split()) if found else "unknown (not stated by the source)")
 
 
 def _check_finite(where: str, **arrays: np.ndarray) -> None:
@@ -1041,7 +987,7 @@ def convert(args: Convert) -> list[ClipReport]:
                                    args.bvh_up)
         except InputError as e:
             print(e, file=sys.stderr)
-            reports.append(ClipReport(str(path), path.stem, error=str(e), problem=e.problem))
+            reports.append(ClipReport(str(path), path.stem, error=str(e)))
             continue
         for m in motions:
             robot = isinstance(m, RobotMotion)
@@ -1056,7 +1002,7 @@ def convert(args: Convert) -> list[ClipReport]:
                 (convert_robot if robot else convert_human)(m, kin, args, report)
             except InputError as e:
                 print(e, file=sys.stderr)
-                report.error, report.problem = str(e), e.problem
+                report.error = str(e)
             reports.append(report)
     return reports
 
@@ -1065,11 +1011,10 @@ def summary_table(reports: list[ClipReport], seconds: float) -> str:
     """What `convert` prints: one row per clip, then the totals (clips and segments kept, dropped and why)."""
     lines = [f"{'clip':<44} {'kind':<6} {'fps':>4} {'src s':>6} {'kept':>4} {'kept s':>7} {'glitch fr':>9} "
              f"{'clipped':>7}  dropped / note"]
-    dropped: dict[str, int] = {}
+    dropped = dict(sum((collections.Counter(r.dropped) for r in reports), collections.Counter()))
     for r in reports:
-        for k, n in r.dropped.items():
-            dropped[k] = dropped.get(k, 0) + n
-        note = r.problem or ", ".join([f"{n} seg: {k}" for k, n in r.dropped.items()] + r.notes)
+        note = r.error.removeprefix(r.source).lstrip(" :") or ", ".join(
+            [f"{n} seg: {k}" for k, n in r.dropped.items()] + r.notes)
         lines.append(f"{r.clip[:44]:<44} {r.kind:<6} {r.fps_in:>4.0f} {r.seconds:>6.1f} {r.kept:>4} {r.kept_s:>7.1f} "
                      f"{r.glitch_frames:>9} {r.clipped_frames:>7}  {note}")
     kept = sum(1 for r in reports if r.kept)
@@ -1083,11 +1028,9 @@ def summary_table(reports: list[ClipReport], seconds: float) -> str:
 
 def train_test_split(packet_paths) -> tuple[list, list]:
     """(train, test): a packet is test when its name is a TEST_CLIPS clip or one of its segments (<clip>_segNN)."""
-    train, test = [], []
-    for p in packet_paths:
-        stem = pathlib.Path(p).stem
-        (test if any(stem == c or stem.startswith(c + "_seg") for c in TEST_CLIPS) else train).append(p)
-    return train, test
+    paths = list(packet_paths)
+    test = [any(s == c or s.startswith(c + "_seg") for c in TEST_CLIPS) for s in (pathlib.Path(p).stem for p in paths)]
+    return [p for p, t in zip(paths, test) if not t], [p for p, t in zip(paths, test) if t]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1140,41 +1083,25 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
             draw(ax, t)
         fig.savefig(out_path, dpi=110)
         return out_path
-    if out_path.suffix.lower() == ".mp4":
+    mp4 = out_path.suffix.lower() == ".mp4"
+    if mp4:
         import imageio_ffmpeg
         rcParams["animation.ffmpeg_path"] = imageio_ffmpeg.get_ffmpeg_exe()
-        writer = animation.FFMpegWriter(fps=fps, bitrate=1800)
-    else:
-        writer = animation.PillowWriter(fps=fps)
+    writer = animation.FFMpegWriter(fps=fps, bitrate=1800) if mp4 else animation.PillowWriter(fps=fps)
     animation.FuncAnimation(fig, lambda t: draw(axes[0], t), frames=len(pos)).save(out_path, writer=writer, dpi=100)
     return out_path
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 10. Command line: convert / info / show.
-@dataclass
-class Info:
-    """Print what a packet or keypoint command file holds."""
-    packet: tyro.conf.Positional[pathlib.Path]
-    """an SSJR packet or human keypoint command (.npz)"""
+def info(packet: tyro.conf.Positional[pathlib.Path]) -> str:
+    """Print what a packet or keypoint command file holds.
 
-
-@dataclass
-class Show:
-    """Draw a packet: a strip of frames (.png) or an animation (.mp4 / .gif)."""
-    packet: tyro.conf.Positional[pathlib.Path]
-    """an SSJR packet or human keypoint command (.npz)"""
-    out: pathlib.Path = pathlib.Path("clip.png")
-    """output picture or animation"""
-    start_s: float = 0.0
-    """first second drawn"""
-    duration_s: float | None = None
-    """seconds drawn (default: to the end)"""
-
-
-def info(packet_path: pathlib.Path) -> str:
-    p = load_packet(packet_path)
-    lines = [f"{packet_path}  kind={p['kind']}  fps={p['fps']:g}"]
+    Args:
+        packet: an SSJR packet or human keypoint command (.npz)
+    """
+    p = load_packet(packet)
+    lines = [f"{packet}  kind={p['kind']}  fps={p['fps']:g}"]
     for k, v in p.items():
         if isinstance(v, np.ndarray):
             lines.append(f"  {k:<16} {str(v.shape):<16} {v.dtype}  range [{v.min():.3f}, {v.max():.3f}]")
@@ -1187,38 +1114,39 @@ def info(packet_path: pathlib.Path) -> str:
     if p["kind"] == "robot":
         speed = np.abs(p["dof_vel"]).max(axis=0)
         lines.append(f"  max |dof vel| {speed.max():.1f} rad/s ({DOF_NAMES[speed.argmax()]})")
-    lines += [f"  text: {p['text']!r}", f"  source: {p['source']}", f"  license: {p['license']}"]
-    return "\n".join(lines)
+    return "\n".join(lines + [f"  text: {p['text']!r}", f"  source: {p['source']}", f"  license: {p['license']}"])
 
 
-def show(args: Show) -> pathlib.Path:
-    p = load_packet(args.packet)
-    first = int(round(args.start_s * p["fps"]))
-    last = None if args.duration_s is None else first + max(1, int(round(args.duration_s * p["fps"])))
-    window = slice(first, last)
-    if p["kind"] == "robot":
-        body, extra = p["body_pos_w"][window], p["body_pos_w"][window][:, KEYPOINT_BODY_IDS]
-    else:
-        body, extra = p["keypoints_w"][window], p["keypoints_w"][window]
+def show(packet: tyro.conf.Positional[pathlib.Path], out: pathlib.Path = pathlib.Path("clip.png"),
+         start_s: float = 0.0, duration_s: float | None = None) -> str:
+    """Draw a packet: a strip of frames (.png) or an animation (.mp4 / .gif).
+
+    Args:
+        packet: an SSJR packet or human keypoint command (.npz)
+        out: output picture or animation
+        start_s: first second drawn
+        duration_s: seconds drawn (None: to the end)
+    """
+    p = load_packet(packet)
+    first = int(round(start_s * p["fps"]))
+    window = slice(first, None if duration_s is None else first + max(1, int(round(duration_s * p["fps"]))))
+    body = p["body_pos_w"][window] if p["kind"] == "robot" else p["keypoints_w"][window]
     if len(body) == 0:
-        raise InputError(args.packet, f"no frames after {args.start_s} s")
-    return render_motion(body, args.out, p["fps"], extra, title=f"{args.packet.stem} ({p['kind']})")
+        raise InputError(packet, f"no frames after {start_s} s")
+    keypoints = body[:, KEYPOINT_BODY_IDS] if p["kind"] == "robot" else body
+    return f"wrote {render_motion(body, out, p['fps'], keypoints, title=packet.stem + ' (' + p['kind'] + ')')}"
 
 
 def main() -> None:
-    cmd = tyro.extras.subcommand_cli_from_dict({"convert": Convert, "info": Info, "show": Show})
-    torch.set_num_threads(1)  # small tensors: threads only add overhead (and the machine is shared)
+    torch.set_num_threads(1)  # small tensors: threads only add overhead
     try:
-        if isinstance(cmd, Convert):
+        out = tyro.extras.subcommand_cli_from_dict({"convert": Convert, "info": info, "show": show})
+        if isinstance(out, Convert):
             start = time.perf_counter()
-            reports = convert(cmd)
+            reports = convert(out)
             print(summary_table(reports, time.perf_counter() - start))
-            if reports and not any(r.kept for r in reports):
-                sys.exit(1)
-        elif isinstance(cmd, Info):
-            print(info(cmd.packet))
-        else:
-            print(f"wrote {show(cmd)}")
+            sys.exit(int(bool(reports) and not any(r.kept for r in reports)))
+        print(out)
     except InputError as e:
         sys.exit(f"error: {e}")
 
