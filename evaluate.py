@@ -6,15 +6,13 @@
     python evaluate.py --ckpt s.pt --settings genesis --seeds 0 --episodes 1 --max-steps 100   # smoke run
 
 Settings: `<engine>[+dr][@<terrain>]`; engine = isaaclab | genesis | in_domain (the first checkpoint's env_cfg["sim"]) |
-zero_shot (the other engine); +dr = envs.DR() (paper Table 5: dynamics psi, pushes, and sensor noise on every method's
-observations); terrain = flat | smooth_slope | rough_slope. A (checkpoint, setting) env is the checkpoint's env_cfg with
-these overrides and frame-0 starts (env i plays clips i, i+N, ...), built once, restarted by env.reseed(seed) for every
-seed, and closed before the next one is built (Isaac Lab: one live env per process). psi, pushes and spawn tiles follow
-the seed, so the paired t-tests pair episodes by (clip, seed, episode), not by dynamics.
+zero_shot (the other engine); +dr = envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise); terrain = flat |
+smooth_slope | rough_slope. One env per (checkpoint, setting): the checkpoint's env_cfg with these overrides and frame-0
+starts (env i plays clips i, i+N, ...), restarted by env.reseed(seed) for every seed, closed before the next is built
+(Isaac Lab: one live env per process). psi and pushes follow the seed: t-tests pair episodes by (clip, seed, episode).
 
-Motions: the test split (ssjr.TEST_CLIPS) or a folder/file of SSJR packets and/or human keypoint commands
-(kind='human_keypoints', e.g. data/keypoints/cmu_bvh/*.npz). A keypoint command commands only the SSJR keypoint bodies
-(the other reference bodies are a default stance): it is scored by the keypoint error and the falls, in its own report
+Motions: the test split (ssjr.TEST_CLIPS) or a folder/file of SSJR packets and/or human keypoint commands. A keypoint
+command commands only the SSJR keypoint bodies: it is scored by the keypoint error and the falls in its own report
 section, and its full-body metrics are NaN.
 
 An episode runs from frame 0 until its clip ends or the env terminates it (a body, for a keypoint command a keypoint
@@ -87,16 +85,14 @@ RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
 @dataclass
 class Args:
     ckpt: tuple[str, ...]
-    """checkpoint(s) written by teacher.py / student.py; several give an ablation table, the first is the t-test
-    reference"""
+    """checkpoint(s) of teacher.py / student.py; several give an ablation table, the first is the t-test reference"""
     labels: tuple[str, ...] = ()
     """table row names, one per checkpoint (default: file stems), e.g. HoRD 'HoRD w/o HCDR' 'HoRD w/o DR'"""
     settings: tuple[str, ...] = ("isaaclab", "isaaclab+dr", "genesis", "genesis+dr",
                                  "zero_shot@smooth_slope", "zero_shot@rough_slope")
     """evaluation settings, `<engine>[+dr][@<terrain>]` (see the module docstring)"""
     motions: str = ""
-    """'' = the held-out test split (ssjr.TEST_CLIPS, looked up in packet_dir); else a folder or a file of SSJR packets
-    and/or human keypoint commands (e.g. data/keypoints/cmu_bvh)"""
+    """'' = the test split (ssjr.TEST_CLIPS in packet_dir); else a folder/file of packets and/or keypoint commands"""
     packet_dir: str = str(ssjr.REPO / "data" / "packets" / "g1_moves")
     """folder searched (recursively) for the test-split packets written by `ssjr.py convert`"""
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -112,8 +108,7 @@ class Args:
     out_dir: str = "results/eval"
     """where table.md, episodes.csv, summary.json, plots and videos go"""
     video_clips: tuple[str, ...] = ()
-    """clips (packet names, or motion names = all their segments) to render as mp4 (robot + reference keypoints),
-    first seed, first episode"""
+    """clips or motions (all their segments) to render as mp4 (robot + reference keypoints), first seed and episode"""
     video_setting: str = ""
     """setting of the videos (default: the first one)"""
     alpha: float = 0.01
@@ -152,9 +147,8 @@ def reward_terms(pos: torch.Tensor, quat: torch.Tensor, ref_pos: torch.Tensor, r
 
 def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S, command: str = ROBOT) -> dict[str, float]:
     """The metrics of a recorded episode (rec: RECORDED arrays [T,B,.], numpy or torch): METRICS and max_gte_m (NaN for
-    a human keypoint command, whose non-keypoint reference bodies are filler), keypoint_err_mm, max_keypoint_err_m.
-    The env's failure test compares max_gte_m (robot motion) / max_keypoint_err_m (keypoint command) with 0.5 m;
-    `fell`, its verdict, comes with the rollout."""
+    a human keypoint command, whose non-keypoint reference bodies are filler), keypoint_err_mm, max_keypoint_err_m
+    (the env's failure tests compare these maxima with 0.5 m; `fell`, their verdict, comes with the rollout)."""
     pos, ref_pos, quat, ref_quat = (torch.as_tensor(np.asarray(rec[k]), dtype=torch.float64) for k in RECORDED)
     err = envs.body_error_metrics(pos, ref_pos)  # per step [T]; the env's info["metrics"] are the same functions
     gte = err["max_body_err_m"]
@@ -283,37 +277,28 @@ def push_markdown(rows: list[dict], labels: list[str], settings: list[Setting], 
 
 
 def _counts(rows: list[dict]) -> str:
-    seeds, eps = {r["seed"] for r in rows}, {(r["clip"], r["seed"], r["episode"]) for r in rows}
-    truncated = sum(r["truncated"] for r in rows)
-    cut = (f"; {truncated} of all {len(rows)} recorded episodes were cut short by --max-steps (scored on what was "
-           f"played: a success there only means no failure so far)") if truncated else ""
-    return (f"{len({r['motion'] for r in rows})} motions ({len({r['clip'] for r in rows})} clips), {len(seeds)} "
-            f"seed(s), {len(eps)} episodes per checkpoint and setting{cut}")
+    eps, truncated = {(r["clip"], r["seed"], r["episode"]) for r in rows}, sum(r["truncated"] for r in rows)
+    cut = (f"; {truncated} of all {len(rows)} recorded episodes were cut short by --max-steps (a success there only "
+           f"means no failure so far)") if truncated else ""
+    return (f"{len({r['motion'] for r in rows})} motions ({len({r['clip'] for r in rows})} clips), "
+            f"{len({r['seed'] for r in rows})} seed(s), {len(eps)} episodes per checkpoint and setting{cut}")
 
 
 def push_note() -> str:
     dr = envs.DR()
-    lo, hi = dr.push_interval_s
-    return (f"+DR settings: episode-level dynamics psi (envs.DR), the same for every checkpoint, and sensor noise on "
-            f"every method's observations (gaussian, one draw per reading: joint pos {dr.noise_dof_pos_rad} rad, joint "
-            f"vel {dr.noise_dof_vel_rad_s} rad/s, IMU angular velocity {dr.noise_ang_vel_rad_s} rad/s, gravity "
-            f"{dr.noise_gravity}, command keypoints {dr.noise_keypoint_m} m). Pushes: a root-velocity kick of up to "
-            f"{dr.push_vel_mps} m/s every U[{lo:g}, {hi:g}] s of episode time; episodes shorter than {lo:g} s are "
-            f"never pushed.\n\n")
+    return (f"+DR: dynamics psi and sensor noise (envs.DR) on every checkpoint; pushes: a root-velocity kick of up to "
+            f"{dr.push_vel_mps} m/s every U{list(dr.push_interval_s)} s of episode time.\n\n")
 
 
 def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
                     notes: tuple[str, ...] = ()) -> str:
     """table.md: the paper's tables over the robot-motion episodes, keypoint error and falls over the human keypoint
     command episodes, the t-tests over both; `notes` first."""
-    robot = [r for r in rows if r["command"] == ROBOT]
-    human = [r for r in rows if r["command"] == HUMAN_KEYPOINTS]
-    flat = [s for s in settings if s.terrain == "flat"]
-    with_dr = [s for s in settings if s.dr]
+    robot, human = ([r for r in rows if r["command"] == c] for c in (ROBOT, HUMAN_KEYPOINTS))
+    flat, with_dr = [s for s in settings if s.terrain == "flat"], [s for s in settings if s.dr]
     parts = [f"# HoRD evaluation\n\nMean ± std over seeds; success = max_t GTE_t < {SUCCESS_THRESHOLD_M} m; falls = "
-             f"episodes the env ended early (a body > {envs.TERMINATION_ERR_M} m from the reference, a keypoint body "
-             f"for human keypoint commands, or a blown-up simulation). `*`: paired t-test against {labels[0]} with "
-             f"p < {alpha}.\n"]
+             f"episodes the env ended early (a body, or keypoint body, > {envs.TERMINATION_ERR_M} m from the "
+             f"reference, or a blown-up simulation). `*`: paired t-test against {labels[0]} with p < {alpha}.\n"]
     if notes:
         parts.append("**Notes**\n\n" + "".join(f"- {n}\n" for n in notes))
     if robot:
@@ -330,9 +315,8 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
         motions = list(dict.fromkeys(r["motion"] for r in robot))
         parts += [f"## Per motion: {s.title}\n\n" + per_motion_markdown(robot, labels, s, motions) for s in settings]
     if human:
-        parts.append(f"## Human keypoint commands\n\n{_counts(human)}. Only the SSJR keypoint bodies are commanded "
-                     f"(the other reference bodies are a default stance), so these episodes are scored by the keypoint "
-                     f"error and the falls instead of the full-body metrics.\n\n"
+        parts.append(f"## Human keypoint commands\n\n{_counts(human)}. Only the SSJR keypoint bodies are commanded, "
+                     f"so these are scored by the keypoint error and the falls instead of the full-body metrics.\n\n"
                      + table1_markdown(human, labels, settings, alpha, KEYPOINT_TABLE))
         if with_dr:
             parts.append("## Push recovery: human keypoint commands\n\n" + push_note()
@@ -351,10 +335,9 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
 
 def plot_rates(path, rows: list[dict], labels: list[str], settings: list[Setting], metric: str):
     """Grouped bars of a rate (success or falls, %) per setting and checkpoint (error bars: std over seeds)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(settings) * len(labels)), 4))
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(max(6.0, 1.2 * len(settings) * len(labels)), 4))
+    ax = fig.subplots()
     x, width, by = np.arange(len(settings)), 0.8 / len(labels), group(rows, "label", "setting")
     for j, label in enumerate(labels):
         s = [seed_stats(by.get((label, setting.name), []), metric) for setting in settings]
@@ -366,7 +349,6 @@ def plot_rates(path, rows: list[dict], labels: list[str], settings: list[Setting
     ax.legend()
     fig.tight_layout()
     ssjr.write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
-    plt.close(fig)
 
 
 def write_video(rec: dict, path, title: str = "", dt_s: float = envs.CONTROL_DT_S) -> pathlib.Path:
@@ -393,10 +375,10 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
     results = lambda command, metrics: {label: {s.name: {m: dict(zip(("mean", "std", "n_seeds"), seed_stats(  # noqa
         by.get((label, s.name, command), []), m))) for m in metrics} for s in settings} for label in labels}
     summary = {"labels": labels, "settings": [dataclasses.asdict(s) for s in settings],
-               "clips": list(dict.fromkeys(r["clip"] for r in rows)),
-               "reward_c": REWARD_C, "success_threshold_m": SUCCESS_THRESHOLD_M, "alpha": alpha, "notes": list(notes),
-               "results": results(ROBOT, ALL_METRICS), "results_keypoint_commands": results(HUMAN_KEYPOINTS,
-                                                                                           KEYPOINT_METRICS),
+               "clips": list(dict.fromkeys(r["clip"] for r in rows)), "reward_c": REWARD_C,
+               "success_threshold_m": SUCCESS_THRESHOLD_M, "alpha": alpha, "notes": list(notes),
+               "results": results(ROBOT, ALL_METRICS),
+               "results_keypoint_commands": results(HUMAN_KEYPOINTS, KEYPOINT_METRICS),
                "ttests": ttest_rows(rows, labels, [s.name for s in settings], alpha) if len(labels) > 1 else []}
     strict = json.loads(json.dumps(summary), parse_constant=lambda _: None)  # NaN, inf -> null (strict JSON)
     ssjr.write_atomic(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(strict, indent=1, allow_nan=False)))
@@ -459,18 +441,13 @@ def load_policy(path, device: str):
     return importlib.import_module(teacher.load_checkpoint(path)["kind"]).load_policy(path, device)
 
 
-@contextlib.contextmanager
 def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
-               seed: int):
+               seed: int) -> contextlib.closing:
     """The checkpoint's env (teacher.build_env) with the setting's engine, DR and terrain, the evaluated motions and
     frame-0 starts; closed on exit, also on an error (Isaac Lab allows one live env per process)."""
-    env = teacher.build_env(env_cfg, num_envs, device, seed, sim=setting.sim, dr="default" if setting.dr else None,
-                            terrain=setting.terrain, motions=[str(p) for p in motion_paths], start="frame0",
-                            exclude_test=False)
-    try:
-        yield env
-    finally:
-        env.close()
+    return contextlib.closing(teacher.build_env(
+        env_cfg, num_envs, device, seed, sim=setting.sim, dr="default" if setting.dr else None, terrain=setting.terrain,
+        motions=[str(p) for p in motion_paths], start="frame0", exclude_test=False))
 
 
 # --- 5. Rollouts. ---
@@ -507,8 +484,7 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]
         window = steps[start[i] - base:end - base]
         col = lambda key: torch.stack([s[key][i] for s in window])  # noqa: E731
         if not bool((col("clip") == clip).all()):
-            raise RuntimeError(f"env {i} did not play clip {clip} where the frame0 schedule says it does: "
-                               f"evaluate.py needs make_env(start='frame0') (clips i, i+N, ...)")
+            raise RuntimeError(f"env {i} did not play clip {clip}: the plan needs start='frame0' (clips i, i+N, ...)")
         last = window[-1]
         return {"clip": clip, "episode": episode, "steps": len(window), "truncated": truncated,
                 "failed": bool(last["failed"][i]), "time_out": bool(last["time_out"][i]), "nan": bool(last["nan"][i]),
@@ -609,8 +585,8 @@ def main(args: Args) -> dict:
 
 def coverage_notes(rows: list[dict], labels: list[str], settings: list[Setting], args: Args, clips: list[str],
                    num_envs: int, video_setting: str) -> list[str]:
-    """Blown-up (NaN) episodes; episodes --max-steps left unplayed (a cap on each whole rollout: env i plays clips i,
-    i+N, ... in turn, so later clips are only reached if earlier ones end in time); --video-clips never recorded."""
+    """Blown-up (NaN) episodes; episodes --max-steps left unplayed (it caps each whole rollout, so later clips are only
+    reached if earlier ones end in time); --video-clips never recorded."""
     notes, by = [], group(rows, "label", "setting")
     planned = len(clips) * args.episodes * len(args.seeds)
     for label in labels:
