@@ -21,17 +21,15 @@ loss = MSE(alpha_2, alpha_1), `update_epochs` passes of minibatches.
 
 Choices where the paper is silent:
 - Nominal pose: TokenPolicy zero-initializes its head, so the student adds a fixed bias alpha_0 = the mean reference
-  joint position of its training motions. An untrained student then holds the clips' average (standing) pose instead
-  of all joints at 0 rad, and the first labels come from upright states. alpha_0 is a buffer of the model: saved in
-  checkpoints and folded into the ONNX graph.
+  joint position of its training motions (a buffer: in checkpoints and the ONNX graph). An untrained student then
+  holds the clips' average (standing) pose instead of all joints at 0 rad, and the first labels come from upright states.
 - HCDR (paper: one shared module, the student "uses the same temporal memory embedding m_t"): by default the student's
   m_t is the teacher's HCDR (and history normalizer), frozen, over the same history H_t. --hcdr finetune trains it on
   with the DAgger loss, --hcdr scratch gives the student its own (the ablation), --hcdr none none at all.
 - Observation noise: the env's, part of its DR (envs.DR); the student and its teacher read the same noisy readings,
   the teacher also its clean privileged ones.
-- The env: the teacher checkpoint fixes it (make_env kwargs). The student trains on the teacher's engine and motions
-  unless --sim / --motions say otherwise; the observations the teacher's actor reads must have the layout it was
-  trained on (its critic's observation plays no part here).
+- The env: the teacher checkpoint's (its engine and motions unless --sim / --motions say otherwise); the observations
+  the teacher's actor reads must have the layout it was trained on.
 """
 from __future__ import annotations
 
@@ -59,8 +57,6 @@ from teacher import (all_reduce_grads, broadcast_from_rank0, build_env, check_la
 @dataclass
 class Args(teacher.RunArgs):
     """Online DAgger distillation of a teacher.py checkpoint into the deployable student."""
-    # teacher.RunArgs' fields with the student's defaults
-
     exp_name: str = "student"
     num_envs: int = 256
     total_env_steps: int = 100_000_000
@@ -138,11 +134,11 @@ def share_teacher_hcdr(policy: StudentPolicy, teacher_agent, path, frozen: bool)
     src, dst = teacher_agent.actor, policy.actor
     if src.hcdr is None:
         raise InputError(path, "the teacher has no HCDR to share: use the student's --hcdr scratch or none")
-    mine, theirs = dst.hcdr.state_dict(), src.hcdr.state_dict()
-    if set(mine) != set(theirs) or any(mine[k].shape != theirs[k].shape for k in mine):
+    try:
+        dst.hcdr.load_state_dict(src.hcdr.state_dict())
+    except RuntimeError:  # missing/unexpected keys or other shapes
         raise InputError(path, "the teacher's HCDR has other sizes than the student's: leave --hcdr-* and --d-model "
-                               "at their defaults (the teacher's)")
-    dst.hcdr.load_state_dict(theirs)
+                               "at their defaults (the teacher's)") from None
     dst.history_norm.load_state_dict(src.history_norm.state_dict())
     freeze_hcdr(policy, frozen)
 
@@ -183,7 +179,7 @@ def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch
 
 # --- checkpoints ----------------------------------------------------------------------------------------------------
 def load_teacher(path, device):
-    """The frozen teacher; a missing file, a non-teacher checkpoint (e.g. a student) -> a clear error."""
+    """The frozen teacher (teacher.load_policy names a missing file or a non-teacher checkpoint)."""
     if not path:
         raise InputError("--teacher-ckpt", "give the teacher to distil: --teacher-ckpt <teacher.pt>")
     agent, ckpt = teacher.load_policy(path, device)
