@@ -4,32 +4,28 @@
     obs = env.reset()
     obs, reward, done, info = env.step(alpha)          # alpha: PD targets [N, 29] rad (MuJoCo joint order)
 
-The task (reference motion, observations, rewards, termination, episode-level domain randomization psi) is
-written once, in batched torch, above a thin per-engine adapter (`GenesisSim`, `IsaacLabSim`) that only
-steps physics, applies joint torques and reads/writes state. Physics runs at 200 Hz; the policy at 50 Hz
-(decimation 4); PD control tau = kp * (alpha - q) - kd * qdot is computed here at every physics step, so the
-control law, the delay line and the gain randomization are identical on both engines.
+The task (reference motion, observations, rewards, termination, episode-level domain randomization psi) is written
+once, in batched torch, above a thin per-engine adapter (`GenesisSim`, `IsaacLabSim`) that only steps physics, applies
+joint torques and reads/writes state. Physics runs at 200 Hz, the policy at 50 Hz (decimation 4); the PD law
+tau = kp * (alpha - q) - kd * qdot, the delay line and the gain randomization are computed here at every physics step,
+identically on both engines. On a CPU an engine steps on one core: the trainers scale out with torchrun.
 
-On a CPU an engine steps on one core: the trainers scale out with torchrun, one process (rank) and one env per core
-or GPU.
-
-Observation table (per env; P=535, F=569, G=121, S=64, J=len(ssjr.KEYPOINT_NAMES)):
-| key               | shape        | content (heading frame = root frame with yaw only)                          |
-|-------------------|--------------|-----------------------------------------------------------------------------|
-| proprio           | [5, P]       | teacher, privileged, steps t-4..t: root height above terrain (1), body pos   |
-|                   |              | rel. root w/o pelvis (29x3), body rot6d (30x6), body lin vel (30x3), body    |
-|                   |              | ang vel (30x3), dof pos (29), dof vel (29), last PD target alpha (29)       |
-| future            | [8, F]       | teacher, reference at t+1..t+8 per body: pos rel. robot root (3), pos minus |
-|                   |              | current body pos (3), rot6d (6), lin vel (3), ang vel (3) = 30x18; ref dof  |
-|                   |              | pos (29)                                                                    |
-| ref_dof_pos       | [29]         | teacher, reference joint positions at t+1 (centre of the residual action)   |
-| terrain           | [G]          | g_t: 11x11 height scan, 0.1 m grid around the root, root z minus ground z   |
-| history           | [K, S+29]    | H_t for HCDR, oldest first: sparse state s (dof pos, dof vel, root ang vel  |
-|                   |              | in root frame, projected gravity) and the PD target alpha chosen in it       |
-| history_mask      | [K]          | True where the history entry exists (False before the episode start)        |
-| student_proprio   | [8, S+29]    | student, steps t-7..t: sparse state s and last alpha (no privileged terms)  |
-| student_keypoints | [10, J*3]    | student, SSJR keypoints Y at t-7..t+2, relative to the robot root (heading) |
-| critic            | [C]          | privileged: proprio_t, future at t+1, terrain, psi (10) = 1235              |
+Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading frame = root frame with yaw only):
+| key               | shape      | content                                                                         |
+|-------------------|------------|---------------------------------------------------------------------------------|
+| proprio           | [5, P]     | teacher, privileged, steps t-4..t: root height above terrain (1), body pos rel. |
+|                   |            | root w/o pelvis (29x3), body rot6d (30x6), body lin vel (30x3), body ang vel    |
+|                   |            | (30x3), dof pos (29), dof vel (29), last PD target alpha (29)                   |
+| future            | [8, F]     | teacher, reference at t+1..t+8 per body: pos rel. robot root (3), pos minus     |
+|                   |            | current body pos (3), rot6d (6), lin vel (3), ang vel (3) = 30x18; dof pos (29) |
+| ref_dof_pos       | [29]       | teacher, reference joint positions at t+1 (centre of the residual action)       |
+| terrain           | [121]      | g_t: 11x11 height scan, 0.1 m grid around the root, root z minus ground z       |
+| history           | [K, S+29]  | H_t for HCDR, oldest first: sparse state s (dof pos, dof vel, root ang vel in   |
+|                   |            | root frame, projected gravity) and the PD target alpha chosen in it             |
+| history_mask      | [K]        | True where the history entry exists (False before the episode start)            |
+| student_proprio   | [8, S+29]  | student, steps t-7..t: sparse state s and last alpha (no privileged terms)      |
+| student_keypoints | [10, J*3]  | student, SSJR keypoints Y at t-7..t+2, relative to the robot root (heading)     |
+| critic            | [1235]     | privileged: proprio_t, future at t+1, terrain, psi (10)                         |
 """
 from __future__ import annotations
 
@@ -96,42 +92,27 @@ TERMINATION_ERR_M = 0.5  # max global body-position error that ends an episode (
 @dataclass
 class DR:
     """Episode-level domain randomization ranges (paper Table 5): psi is sampled per env at reset, fixed for the
-    episode. Sensor noise (the paper's "observation noise"): one draw per reading of the sparse state s (joint encoders,
-    IMU) and of the command, carried unchanged through every stack that holds that reading (proprio, student_proprio,
-    history); the last PD target is known exactly and the privileged body states stay clean."""
-    delay_steps: tuple[int, int] = (0, 3)
-    """control delay, physics steps (inclusive integer range)"""
-    mass_scale: tuple[float, float] = (0.9, 1.1)
-    """scale of every body's mass"""
-    joint_scale: tuple[float, float] = (0.9, 1.1)
-    """scale of joint damping, armature and friction"""
-    kp_scale: tuple[float, float] = (0.9, 1.1)
-    """scale of the PD stiffness"""
-    kd_scale: tuple[float, float] = (0.9, 1.1)
-    """scale of the PD damping"""
-    gravity_mps2: tuple[float, float] = (9.7, 9.9)
-    """magnitude of gravity (down)"""
-    friction: tuple[float, float] = (0.6, 1.2)
-    """ground-foot friction coefficient (the paper names the term, not its range)"""
-    com_offset_m: float = 0.03
-    """torso centre-of-mass shift, uniform in +-this per axis"""
-    push_interval_s: tuple[float, float] = (5.0, 10.0)
-    """time between pushes"""
-    push_vel_mps: float = 0.8
-    """largest horizontal root-velocity kick of a push (uniform direction, size U[0, this])"""
-    noise_dof_pos_rad: float = 0.01
-    """sensor noise (gaussian std) of a joint-position reading"""
-    noise_dof_vel_rad_s: float = 0.5
-    """sensor noise of a joint-velocity reading"""
-    noise_ang_vel_rad_s: float = 0.1
-    """sensor noise of the IMU angular velocity"""
-    noise_gravity: float = 0.03
-    """sensor noise of the IMU projected gravity (unit vector)"""
-    noise_keypoint_m: float = 0.01
-    """noise of each SSJR command keypoint (the command is relative to an estimated root pose)"""
+    episode. Sensor noise (the paper's "observation noise", gaussian std): one draw per reading of the sparse state s
+    (joint encoders, IMU) and of the command, carried unchanged through every stack that holds that reading (proprio,
+    student_proprio, history); the last PD target is known exactly and the privileged body states stay clean."""
+    delay_steps: tuple[int, int] = (0, 3)  # control delay, physics steps (inclusive integer range)
+    mass_scale: tuple[float, float] = (0.9, 1.1)  # scale of every body's mass
+    joint_scale: tuple[float, float] = (0.9, 1.1)  # scale of joint damping, armature and friction
+    kp_scale: tuple[float, float] = (0.9, 1.1)  # scale of the PD stiffness
+    kd_scale: tuple[float, float] = (0.9, 1.1)  # scale of the PD damping
+    gravity_mps2: tuple[float, float] = (9.7, 9.9)  # magnitude of gravity (down)
+    friction: tuple[float, float] = (0.6, 1.2)  # ground-foot friction (the paper names the term, not its range)
+    com_offset_m: float = 0.03  # torso centre-of-mass shift, uniform in +-this per axis
+    push_interval_s: tuple[float, float] = (5.0, 10.0)  # time between pushes
+    push_vel_mps: float = 0.8  # largest horizontal root-velocity kick (uniform direction, size U[0, this])
+    noise_dof_pos_rad: float = 0.01  # sensor noise of a joint-position reading
+    noise_dof_vel_rad_s: float = 0.5  # of a joint-velocity reading
+    noise_ang_vel_rad_s: float = 0.1  # of the IMU angular velocity
+    noise_gravity: float = 0.03  # of the IMU projected gravity (unit vector)
+    noise_keypoint_m: float = 0.01  # of each SSJR command keypoint (the command is relative to an estimated root pose)
+    # Redraw the body masses, torso CoM and joint armature/damping/friction at every reset, not once per env at the
+    # start (as Isaac Lab's 'startup' mode); on Isaac Lab each such write recomputes every world's model constants.
     body_psi_per_episode: bool = False
-    """redraw the body masses, torso CoM and joint armature/damping/friction at every reset, not once per env at the
-    start (as Isaac Lab's 'startup' mode); on Isaac Lab each such write recomputes every world's model constants"""
 
     def sensor_std(self) -> torch.Tensor:
         """Noise std of each field of s [64]: dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
@@ -144,20 +125,23 @@ PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", 
 BODY_PSI_KEYS = ("mass_scale", "joint_scale", "com_offset_x_m", "com_offset_y_m", "com_offset_z_m")  # see DR
 
 
+def uniform(lo_hi: tuple[float, float], n: int, gen: torch.Generator, device) -> torch.Tensor:
+    """n draws of U[lo, hi]."""
+    lo, hi = lo_hi
+    return lo + (hi - lo) * torch.rand(n, generator=gen, device=device)
+
+
 def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
     """psi ~ P(Psi) for n episodes; dr=None gives the nominal dynamics (the 'w/o DR' ablation, and clean evaluation)."""
-    def u(lo_hi):
-        lo, hi = lo_hi
-        return lo + (hi - lo) * torch.rand(n, generator=gen, device=device)
     if dr is None:  # scales 1, friction 1, no delay, no CoM offset, earth gravity
         nominal = dict(delay_steps=0.0, gravity_mps2=9.81, com_offset_x_m=0.0, com_offset_y_m=0.0, com_offset_z_m=0.0)
         return {k: torch.full((n,), nominal.get(k, 1.0), device=device) for k in PSI_KEYS}
-    psi = {"delay_steps": torch.randint(dr.delay_steps[0], dr.delay_steps[1] + 1, (n,), generator=gen,
-                                        device=device).float()}
+    lo, hi = dr.delay_steps
+    psi = {"delay_steps": torch.randint(lo, hi + 1, (n,), generator=gen, device=device).float()}
     for k in ("mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction"):
-        psi[k] = u(getattr(dr, k))
+        psi[k] = uniform(getattr(dr, k), n, gen, device)
     for a in "xyz":
-        psi[f"com_offset_{a}_m"] = u((-dr.com_offset_m, dr.com_offset_m))
+        psi[f"com_offset_{a}_m"] = uniform((-dr.com_offset_m, dr.com_offset_m), n, gen, device)
     return psi
 
 
@@ -177,9 +161,7 @@ class Terrain:
     tile_types: list[str]
     spawn_xy_m: np.ndarray  # [tiles, 2]
 
-    @property
-    def is_flat(self) -> bool:
-        return not np.any(self.heights_m)
+    is_flat = property(lambda self: not np.any(self.heights_m))
 
     def height_at(self, xy: torch.Tensor) -> torch.Tensor:
         """Ground height under world points xy [..., 2] (bilinear)."""
@@ -191,11 +173,10 @@ class Terrain:
         h = cache[xy.device]
         g = (xy - torch.tensor(self.origin_m, device=xy.device)) / self.cell_m
         g0 = g.floor().long()
-        f = g - g0
-        nx, ny = h.shape
-        ix0, iy0 = g0[..., 0].clamp(0, nx - 1), g0[..., 1].clamp(0, ny - 1)
+        fx, fy = (g - g0).unbind(-1)
+        (nx, ny), (gx, gy) = h.shape, g0.unbind(-1)
+        ix0, iy0 = gx.clamp(0, nx - 1), gy.clamp(0, ny - 1)
         ix1, iy1 = (ix0 + 1).clamp(max=nx - 1), (iy0 + 1).clamp(max=ny - 1)
-        fx, fy = f[..., 0], f[..., 1]
         return (h[ix0, iy0] * (1 - fx) * (1 - fy) + h[ix1, iy0] * fx * (1 - fy)
                 + h[ix0, iy1] * (1 - fx) * fy + h[ix1, iy1] * fx * fy)
 
@@ -210,22 +191,18 @@ def make_terrain(kind: str, seed: int = 0, tile_m: float = 8.0, cols: int = 4, c
     rng = np.random.default_rng(seed)
     n = int(round(tile_m / cell_m))
     heights = np.zeros((len(rows) * n, cols * n), np.float32)
-    spawn, types = [], []
     u = (np.arange(n) + 0.5) / n - 0.5  # tile-local coordinate in [-0.5, 0.5)
     dist_to_edge = (0.5 - np.maximum(np.abs(u)[:, None], np.abs(u)[None, :])) * tile_m
     for r, t in enumerate(rows):
         for c in range(cols):
-            tile = np.zeros((n, n), np.float32)
             if t != "flat":
                 tile = (0.1 * (c + 1)) * dist_to_edge
-                if t == "rough_slope":
-                    tile = tile + rng.uniform(-0.03, 0.03, tile.shape)
-            heights[r * n:(r + 1) * n, c * n:(c + 1) * n] = tile
-            spawn.append(((r + 0.5) * tile_m - tile_m / 4, (c + 0.5) * tile_m))
-            types.append(t)
+                heights[r * n:(r + 1) * n, c * n:(c + 1) * n] = (
+                    tile + rng.uniform(-0.03, 0.03, tile.shape) if t == "rough_slope" else tile)
     origin = (-len(rows) * tile_m / 2, -cols * tile_m / 2)
+    spawn = [((r + 0.5) * tile_m - tile_m / 4, (c + 0.5) * tile_m) for r in range(len(rows)) for c in range(cols)]
     spawn_xy = np.asarray(spawn, np.float32) + np.asarray(origin, np.float32)
-    return Terrain(heights, cell_m, origin, types, spawn_xy)
+    return Terrain(heights, cell_m, origin, [t for t in rows for _ in range(cols)], spawn_xy)
 
 
 SCAN_XY_M = torch.stack(torch.meshgrid(torch.linspace(-0.5, 0.5, 11), torch.linspace(-0.5, 0.5, 11),
@@ -659,6 +636,13 @@ def projected_gravity(root_quat: torch.Tensor) -> torch.Tensor:
     return quat_apply(quat_conj(root_quat), down)
 
 
+def shift_in(stack: torch.Tensor, new) -> torch.Tensor:
+    """A per-env stack [N, T, ...], oldest first, moved one step on: `new` [N, ...] becomes its last entry."""
+    stack = torch.roll(stack, -1, 1)
+    stack[:, -1] = new
+    return stack
+
+
 class TrackingEnv:
     """Batched G1 motion tracking (paper Sec. 3): reference-state init, PD targets in, tracking reward out."""
 
@@ -667,23 +651,18 @@ class TrackingEnv:
 
     def __init__(self, sim, motion_lib: MotionLib, terrain: Terrain, dr: DR | None, seed: int,
                  start: str = "random", terrain_mix: dict[str, float] | None = None):
-        self.sim, self.motions, self.terrain, self.dr = sim, motion_lib, terrain, dr
-        self.num_envs, self.device = sim.num_envs, sim.device
-        self.start = start  # see START_MODES
-        n, dev = self.num_envs, self.device
-        self.gen = torch.Generator(device=dev).manual_seed(seed)
+        self.sim, self.motions, self.terrain, self.dr, self.start = sim, motion_lib, terrain, dr, start  # START_MODES
+        self.num_envs, self.device = n, dev = sim.num_envs, sim.device
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
         self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
         self.scan_xy = SCAN_XY_M.to(dev)
         self.tile_weights = tile_weights(terrain.tile_types, terrain_mix or TERRAIN_MIX).to(dev)
         self.spawn_xy = torch.as_tensor(terrain.spawn_xy_m, device=dev)
-        # per-env episode state
-        self.clip = torch.zeros(n, dtype=torch.long, device=dev)
-        self.tick0 = torch.zeros(n, dtype=torch.long, device=dev)  # the clip's control tick at episode start
-        self.step_count = torch.zeros(n, dtype=torch.long, device=dev)
+        self.sensor_std = dr.sensor_std().to(dev) if dr is not None else None
+        self.default_mass = sim.default_body_mass_kg.clone()
+        # per-env episode state; tick0: the clip's control tick at the episode start
+        self.clip, self.tick0, self.step_count = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))
         self.ref_offset = torch.zeros(n, 3, device=dev)  # world offset of the reference (tile spawn point)
-        self.next_clip = torch.arange(n, device=dev) % len(motion_lib)
-        self.psi = sample_psi(dr, n, self.gen, dev)  # the body part stays for the run (DR.body_psi_per_episode)
         self.next_push_s = torch.full((n,), float("inf"), device=dev)
         self.last_alpha = torch.zeros(n, 29, device=dev)  # the PD target of the previous control step
         self.proprio_buf = torch.zeros(n, self.PROPRIO_STEPS, 535, device=dev)
@@ -693,12 +672,19 @@ class TrackingEnv:
         self.substep_tau = torch.zeros(DECIMATION, n, 29, device=dev)  # torques of the last control step
         self.nan_resets = torch.zeros((), dtype=torch.long, device=dev)  # blown-up envs reset so far
         self._fresh = torch.ones(n, dtype=torch.bool, device=dev)  # envs whose observation stacks restart
-        self.sensor_std = dr.sensor_std().to(dev) if dr is not None else None
-        self.default_mass = sim.default_body_mass_kg.clone()
-        self._write_psi(torch.arange(n, device=dev), body=True)
         self.obs_layout: dict[str, list[int]] = {}
         # one reference window per step: t-7..t (student past), t+1..t+2 (student future) / t+1..t+8 (teacher)
         self.window_steps = torch.arange(1 - self.STUDENT_PAST, self.FUTURE_STEPS + 1, device=dev)
+        self.gen = torch.Generator(device=dev)
+        self._seed(seed)
+
+    def _seed(self, seed: int):
+        """The random stream restarts at `seed`: the clip rotation and psi (the body part too: it stays for the run,
+        see DR.body_psi_per_episode) as at the start."""
+        self.gen.manual_seed(seed)
+        self.next_clip = torch.arange(self.num_envs, device=self.device) % len(self.motions)
+        self.psi = sample_psi(self.dr, self.num_envs, self.gen, self.device)
+        self._write_psi(torch.arange(self.num_envs, device=self.device), body=True)
 
     def close(self):
         self.sim.close()
@@ -729,17 +715,12 @@ class TrackingEnv:
         pos = ref["body_pos"] + offset[:, None]
         pos[..., 2] += self.terrain.height_at(pos[:, 0, :2])[:, None]
         ref["body_pos"] = pos
-        if window:
-            ref = {key: v.view(-1, k, *v.shape[1:]) for key, v in ref.items()}
-        return ref
+        return {key: v.view(-1, k, *v.shape[1:]) for key, v in ref.items()} if window else ref
 
     # --- reset ----------------------------------------------------------------------------------------------------
     def reseed(self, seed: int) -> dict[str, torch.Tensor]:
         """Restart every env from scratch as if built with `seed` (evaluation reuses one scene across seeds)."""
-        self.gen.manual_seed(seed)
-        self.next_clip = torch.arange(self.num_envs, device=self.device) % len(self.motions)
-        self.psi = sample_psi(self.dr, self.num_envs, self.gen, self.device)  # the body part too, as at start
-        self._write_psi(torch.arange(self.num_envs, device=self.device), body=True)
+        self._seed(seed)
         return self.reset()
 
     def reset(self, env_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -769,18 +750,17 @@ class TrackingEnv:
                 if body or k not in BODY_PSI_KEYS:
                     self.psi[k][ids] = v
             self._write_psi(ids, body)
-            lo, hi = self.dr.push_interval_s
-            self.next_push_s[ids] = lo + (hi - lo) * torch.rand(m, generator=self.gen, device=dev)
+            self.next_push_s[ids] = uniform(self.dr.push_interval_s, m, self.gen, dev)
         else:
             self.next_push_s[ids] = float("inf")
-        # reference-state initialization
+        # reference-state initialization; the observation stacks of these envs restart from their first frame
         ref = self.reference(env_ids=ids)
         self.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], ref["body_lin_vel"][:, 0],
                              ref["body_ang_vel"][:, 0], ref["dof_pos"], ref["dof_vel"])
         self.last_alpha[ids] = ref["dof_pos"]
         self.history[ids] = 0.0
         self.history_mask[ids] = False
-        self._fresh[ids] = True  # the observation stacks of these envs are filled with their first frame
+        self._fresh[ids] = True
 
     def _write_psi(self, ids: torch.Tensor, body: bool):
         """psi of envs `ids` into the engine: friction and gravity, and with body=True the body masses, torso CoM and
@@ -797,28 +777,24 @@ class TrackingEnv:
     # --- step -----------------------------------------------------------------------------------------------------
     def step(self, alpha: torch.Tensor):
         """One 50 Hz control step: PD targets alpha [N,29] -> (obs, reward [N], done [N], info)."""
-        n, dev = self.num_envs, self.device
+        dev, psi = self.device, self.psi
         alpha = alpha.detach().to(dev)
         s_before = self.sparse_buf[:, -1, :SPARSE_STATE_DIM]  # s_t, observed at the end of the last step
-        kp = self.kp * self.psi["kp_scale"][:, None]
-        kd = self.kd * self.psi["kd_scale"][:, None]
-        delay = self.psi["delay_steps"][:, None]
-        # pushes: a random horizontal kick of the root velocity every U[5, 10] s
-        push = self.step_count * CONTROL_DT_S >= self.next_push_s  # episode time, not clip time
+        kp, kd = self.kp * psi["kp_scale"][:, None], self.kd * psi["kd_scale"][:, None]
+        # pushes: a random horizontal kick of the root velocity every U[5, 10] s of episode time (not clip time)
+        push = self.step_count * CONTROL_DT_S >= self.next_push_s
         ids = push.nonzero().squeeze(-1)  # one of the two host reads of a step (the engine call needs the count)
         if len(ids):
             _, _, v, w = self.sim.root_state()
-            # a uniform horizontal direction, size U[0, push_vel_mps]
-            direction, size = torch.rand(len(ids), 2, generator=self.gen, device=dev).T
+            direction, size = torch.rand(len(ids), 2, generator=self.gen, device=dev).T  # uniform, U[0, push_vel]
             angle_rad = 2 * math.pi * direction
             kick = size[:, None] * self.dr.push_vel_mps * torch.stack([angle_rad.cos(), angle_rad.sin()], -1)
             self.sim.set_root_velocity(ids, v[ids] + torch.nn.functional.pad(kick, (0, 1)), w[ids])
-            lo, hi = self.dr.push_interval_s
-            self.next_push_s[ids] += lo + (hi - lo) * torch.rand(len(ids), generator=self.gen, device=dev)
-        power = torch.zeros(n, device=dev)
+            self.next_push_s[ids] += uniform(self.dr.push_interval_s, len(ids), self.gen, dev)
+        power = torch.zeros(self.num_envs, device=dev)
         for k in range(DECIMATION):
             # control delay of d physics steps: the new target reaches the motors d steps into the control period
-            target = torch.where(k >= delay, alpha, self.last_alpha)
+            target = torch.where(k >= psi["delay_steps"][:, None], alpha, self.last_alpha)
             q, qd = self.sim.dof_state()
             tau = (kp * (target - q) - kd * qd).clamp(-self.effort_limit_nm, self.effort_limit_nm)
             self.sim.step(tau)
@@ -826,42 +802,34 @@ class TrackingEnv:
             power += (tau * qd).abs().sum(-1)
         self.last_alpha = alpha.clone()  # the caller keeps its tensor (resets write the reference pose here)
         self.step_count += 1
-        body = self.sim.body_state()
-        q, qd = self.sim.dof_state()
-        # HCDR history: the (state, action) pair just played
-        self.history = torch.roll(self.history, -1, 1)
-        self.history[:, -1] = torch.cat([s_before, alpha], -1)
-        self.history_mask = torch.roll(self.history_mask, -1, 1)
-        self.history_mask[:, -1] = True
+        body, (q, qd) = self.sim.body_state(), self.sim.dof_state()
+        self.history = shift_in(self.history, torch.cat([s_before, alpha], -1))  # HCDR: the (s, alpha) pair played
+        self.history_mask = shift_in(self.history_mask, True)
         # reward and termination against the reference at the new time
         ref = self.reference()
         terms, metrics = tracking_terms(body, ref)
-        reward = sum(REWARD_WEIGHTS[k] * torch.exp(REWARD_COEFFS[k] * terms[k]) for k in REWARD_WEIGHTS)
+        kernels = {k: torch.exp(REWARD_COEFFS[k] * v) for k, v in terms.items()}
         power_w = power / DECIMATION  # mean mechanical power of the control step
-        reward = reward - POWER_PENALTY * power_w
+        reward = sum(REWARD_WEIGHTS[k] * kernels[k] for k in REWARD_WEIGHTS) - POWER_PENALTY * power_w
+        finite = torch.isfinite(torch.cat([x.flatten(1) for x in (*body, q, qd, reward[:, None])], 1)).all(-1)
+        blown_up = self.sim.nan_envs() | ~finite
+        reward = reward.masked_fill(blown_up, 0.0)
         # human keypoint commands define only the SSJR keypoints: they alone decide the failure there
         max_err = torch.where(self.motions.keypoints_only[self.clip], metrics["max_keypoint_err_m"],
                               metrics["max_body_err_m"])
-        failed = max_err > TERMINATION_ERR_M
+        failed = (max_err > TERMINATION_ERR_M) | blown_up
         time_out = self.tick() >= self.motions.num_ticks[self.clip] - 1
-        finite = torch.isfinite(torch.cat([x.flatten(1) for x in (*body, q, qd, reward[:, None])], 1)).all(-1)
-        blown_up = self.sim.nan_envs() | ~finite
-        reward = torch.where(blown_up, torch.zeros_like(reward), reward)
-        failed = failed | blown_up
         done = failed | time_out
-        info = {"metrics": metrics, "reward_terms": {k: torch.exp(REWARD_COEFFS[k] * v) for k, v in terms.items()},
-                "power_w": power_w, "time_out": time_out & ~failed, "failed": failed,
-                "nan": blown_up, "pushed": push, "psi": {k: v.clone() for k, v in self.psi.items()},
-                "clip": self.clip.clone()}
         self.body_pos_w, self.body_quat_w = body[0], body[1]
         self.ref_body_pos_w, self.ref_body_quat_w = ref["body_pos"], ref["body_quat"]
         self.nan_resets = self.nan_resets + blown_up.sum()  # a device counter: read once per iteration by the trainers
-        info["nan_resets"] = self.nan_resets
+        info = {"metrics": metrics, "reward_terms": kernels, "power_w": power_w, "time_out": time_out & ~failed,
+                "failed": failed, "nan": blown_up, "pushed": push, "psi": {k: v.clone() for k, v in psi.items()},
+                "clip": self.clip.clone(), "nan_resets": self.nan_resets}
         ids = done.nonzero().squeeze(-1)  # the other host read: which envs reset
         if len(ids):
             self._reset_envs(ids)
-            body = self.sim.body_state()
-            q, qd = self.sim.dof_state()
+            body, (q, qd) = self.sim.body_state(), self.sim.dof_state()
         return self._observe(body, q, qd, advance=True), reward, done, info
 
     # --- observations ---------------------------------------------------------------------------------------------
@@ -875,54 +843,43 @@ class TrackingEnv:
         """Observations of the current state. advance: a control step passed (the stacks shift by one step);
         otherwise (a reset) only the freshly reset envs' stacks change (they are filled with their first frame)."""
         pos, quat, lin, ang = body
-        n, dev = self.num_envs, self.device
         root_pos, root_quat = pos[:, 0], quat[:, 0]
-        yaw = yaw_rad(root_quat)  # vectors go to the heading frame by rotate_z(v, -yaw)
-        ih = z_quat(-yaw)[:, None]  # the inverse heading rotation
+        yaw = yaw_rad(root_quat)
+
+        def heading(v):  # world vectors [N, ..., B, 3] -> the heading frame, [N, ..., B*3]
+            return rotate_z(v, -yaw.view(-1, *[1] * (v.dim() - 2))).flatten(-2)
+
+        def heading_rot6d(q):  # world rotations [N, ..., B, 4] -> rot6d in the heading frame, [N, ..., B*6]
+            inv_heading = z_quat(-yaw).view(-1, *[1] * (q.dim() - 2), 4)
+            return rot6d(quat_mul(inv_heading.expand_as(q), q)).flatten(-2)
+
         # the sensor readings s_t (joint encoders, IMU): one noise draw each under DR, shared by every stack below
         s = self.sparse_state(body, q, qd)
         if self.sensor_std is not None:
-            s = s + self.sensor_std * torch.randn(s.shape, generator=self.gen, device=dev)
-        q, qd = s[:, :29], s[:, 29:58]
-        # privileged proprio at t
+            s = s + self.sensor_std * torch.randn(s.shape, generator=self.gen, device=self.device)
         ground = self.terrain.height_at(root_pos[:, :2])
-        proprio = torch.cat([
-            (root_pos[:, 2] - ground)[:, None],
-            rotate_z(pos[:, 1:] - root_pos[:, None], -yaw[:, None]).flatten(1),
-            rot6d(quat_mul(ih.expand_as(quat), quat)).flatten(1),
-            rotate_z(lin, -yaw[:, None]).flatten(1), rotate_z(ang, -yaw[:, None]).flatten(1),
-            q, qd, self.last_alpha], -1)
-        sparse = torch.cat([s, self.last_alpha], -1)
-        fresh = self._fresh[:, None, None]
-        for name, new in (("proprio_buf", proprio), ("sparse_buf", sparse)):
-            stack = getattr(self, name)
-            if advance:
-                stack = torch.roll(stack, -1, 1)
-                stack[:, -1] = new
-            setattr(self, name, torch.where(fresh, new[:, None], stack))
+        proprio = torch.cat([(root_pos[:, 2] - ground)[:, None], heading(pos[:, 1:] - root_pos[:, None]),
+                             heading_rot6d(quat), heading(lin), heading(ang), s[:, :58], self.last_alpha], -1)
+        for name, new in (("proprio_buf", proprio), ("sparse_buf", torch.cat([s, self.last_alpha], -1))):
+            stack = shift_in(getattr(self, name), new) if advance else getattr(self, name)
+            setattr(self, name, torch.where(self._fresh[:, None, None], new[:, None], stack))
         self._fresh[:] = False
         # dense future reference (teacher) at t+1..t+8 and SSJR keypoint commands (student) at t-7..t+2
         ref = self.reference(self.window_steps)
         fut = {k: v[:, self.STUDENT_PAST:] for k, v in ref.items()}
-        ihf = ih.expand(n, self.FUTURE_STEPS, 4)[:, :, None]
-        yaw_f = -yaw[:, None, None]
-        future = torch.cat([
-            rotate_z(fut["body_pos"] - root_pos[:, None, None], yaw_f).flatten(2),
-            rotate_z(fut["body_pos"] - pos[:, None], yaw_f).flatten(2),
-            rot6d(quat_mul(ihf.expand_as(fut["body_quat"]), fut["body_quat"])).flatten(2),
-            rotate_z(fut["body_lin_vel"], yaw_f).flatten(2), rotate_z(fut["body_ang_vel"], yaw_f).flatten(2),
-            fut["dof_pos"]], -1)
-        ref_dof_pos = fut["dof_pos"][:, 0]
+        future = torch.cat([heading(fut["body_pos"] - root_pos[:, None, None]), heading(fut["body_pos"] - pos[:, None]),
+                            heading_rot6d(fut["body_quat"]), heading(fut["body_lin_vel"]),
+                            heading(fut["body_ang_vel"]), fut["dof_pos"]], -1)
         kp_w = ref["body_pos"][:, :self.STUDENT_PAST + self.STUDENT_FUTURE, self.keypoint_ids]
         keypoints = ssjr.keypoint_command(kp_w, root_pos, root_quat)
         if self.dr is not None:
             keypoints = keypoints + self.dr.noise_keypoint_m * torch.randn(keypoints.shape, generator=self.gen,
-                                                                           device=dev)
+                                                                           device=self.device)
         # g_t: height scan around the root in the heading frame
         scan_w = rotate_z(torch.nn.functional.pad(self.scan_xy, (0, 1)), yaw[:, None])[..., :2]
         terrain = root_pos[:, 2:3] - self.terrain.height_at(scan_w + root_pos[:, None, :2])
         psi = torch.stack([self.psi[k] for k in PSI_KEYS], -1)
-        obs = {"proprio": self.proprio_buf.clone(), "future": future, "ref_dof_pos": ref_dof_pos,
+        obs = {"proprio": self.proprio_buf.clone(), "future": future, "ref_dof_pos": fut["dof_pos"][:, 0],
                "terrain": terrain, "history": self.history.clone(), "history_mask": self.history_mask.clone(),
                "student_proprio": self.sparse_buf.clone(), "student_keypoints": keypoints,
                "critic": torch.cat([proprio, future[:, 0], terrain, psi], -1)}
