@@ -60,8 +60,7 @@ GAINS = {  # joint-name fragment: (kp, kd, effort limit)
     "waist_yaw": (400.0, 5.0, 88.0), "waist_roll": (400.0, 5.0, 50.0), "waist_pitch": (400.0, 5.0, 50.0),
     "shoulder_pitch": (90.0, 2.0, 25.0), "shoulder_roll": (60.0, 2.0, 25.0), "shoulder_yaw": (20.0, 1.0, 25.0),
     "elbow": (60.0, 1.0, 25.0), "wrist_roll": (4.0, 0.2, 25.0), "wrist_pitch": (4.0, 0.2, 5.0),
-    "wrist_yaw": (4.0, 0.2, 5.0),
-}
+    "wrist_yaw": (4.0, 0.2, 5.0)}
 ARMATURE = 0.03  # kg m^2, every joint (authors' earlier code)
 JOINT_FRICTION = 0.03  # N m, dry friction (frictionloss)
 JOINT_DAMPING = 0.05  # N m s/rad, passive joint damping (on top of the PD's kd)
@@ -74,17 +73,15 @@ SELF_COLLISION = False
 def joint_table(device="cpu"):
     """kp, kd, effort limit as [29] tensors in ssjr.DOF_NAMES order."""
     rows = [next(v for k, v in GAINS.items() if name.endswith(k + "_joint")) for name in ssjr.DOF_NAMES]
-    kp, kd, lim = torch.tensor(rows, device=device).T
-    return kp, kd, lim
+    return tuple(torch.tensor(rows, device=device).T)
 
 
 # Reward (paper App. C): r = sum_i w_i exp(c_i * err_i) - 5e-6 * sum |tau * qdot|; err_i are mean squared errors,
 # averaged over bodies and over the x/y/z (or angle) components (the paper says "mean_err"; ProtoMotions sums x/y/z,
-# a 3x stricter kernel for the same coefficient).
-REWARD_WEIGHTS = {"gt": 0.5, "gr": 0.4, "gv": 0.1, "gav": 0.1, "rh": 0.2,
-                  "rt": 0.2}  # the paper gives RT's coefficient (-120) but no weight: 0.2 is ours (as RH)
-REWARD_COEFFS = {"gt": -100.0, "gr": -10.0, "gv": -0.5, "gav": -0.1, "rh": -100.0,
-                 "rt": -120.0}  # GV/GAV coefficients are not in the paper: ProtoMotions' defaults
+# a 3x stricter kernel for the same coefficient). Ours where the paper is silent: RT's weight 0.2 (as RH; the paper
+# gives its coefficient, -120), the GV/GAV coefficients (ProtoMotions' defaults).
+REWARD_WEIGHTS = {"gt": 0.5, "gr": 0.4, "gv": 0.1, "gav": 0.1, "rh": 0.2, "rt": 0.2}
+REWARD_COEFFS = {"gt": -100.0, "gr": -10.0, "gv": -0.5, "gav": -0.1, "rh": -100.0, "rt": -120.0}
 POWER_PENALTY = 5e-6
 TERMINATION_ERR_M = 0.5  # max global body-position error that ends an episode (irreversible divergence)
 
@@ -147,7 +144,6 @@ def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str,
 
 # ----------------------------------------------------------------------------------------------------------------
 # Terrain: one heightfield of square tiles shared by all envs; each env spawns on a tile drawn from the mix.
-# ----------------------------------------------------------------------------------------------------------------
 TERRAIN_TYPES = ("flat", "smooth_slope", "rough_slope")
 TERRAIN_MIX = {"flat": 0.5, "smooth_slope": 0.25, "rough_slope": 0.25}  # paper's training mix
 
@@ -211,7 +207,6 @@ SCAN_XY_M = torch.stack(torch.meshgrid(torch.linspace(-0.5, 0.5, 11), torch.lins
 
 # ----------------------------------------------------------------------------------------------------------------
 # Motion library: SSJR packets (30 fps), resampled once to the 50 Hz control ticks the env reads.
-# ----------------------------------------------------------------------------------------------------------------
 PACKET_FIELDS = {"body_pos": "body_pos_w", "body_quat": "body_quat_w", "body_lin_vel": "body_lin_vel_w",
                  "body_ang_vel": "body_ang_vel_w", "dof_pos": "dof_pos", "dof_vel": "dof_vel"}  # MotionLib: packet key
 
@@ -224,9 +219,7 @@ class MotionLib:
         packets = [ssjr.load_packet(p) for p in packet_paths]
         packets = [p if p["kind"] == "robot" else keypoints_to_packet(p) for p in packets]
         self.keypoints_only = torch.tensor([p["kind"] == "human_keypoints" for p in packets], device=device)
-        self.names = [pathlib.Path(p).stem for p in packet_paths]
         self.length_s = torch.tensor([(len(p["dof_pos"]) - 1) / float(p["fps"]) for p in packets], device=device)
-        self.dt_s = dt_s
         # the start ticks of each clip: 0 .. last_start_tick
         self.last_start_tick = ((self.length_s - START_MARGIN_S).clamp(min=0.0) / dt_s + 1e-4).long()
         # the control-tick table: tick k of a clip is its state at k * dt_s, k = 0 .. num_ticks - 1 (<= the clip end)
@@ -238,7 +231,7 @@ class MotionLib:
         self.mean_dof_pos = self.ticks["dof_pos"].mean(0)  # the motions' average pose (the student's nominal action)
 
     def __len__(self):
-        return len(self.names)
+        return len(self.num_ticks)
 
     def at_tick(self, clip: torch.Tensor, tick: torch.Tensor) -> dict[str, torch.Tensor]:
         """Reference state of `clip` [M] at control tick `tick` [M] (clamped to the clip): a gather, no arithmetic."""
@@ -255,18 +248,15 @@ def keypoints_to_packet(cmd: dict) -> dict:
     """A human keypoint command (ssjr.py, from BVH/AMASS) as a reference the env can run: the robot's bodies are the
     default stance placed at the command's root pose, with the SSJR keypoint bodies replaced by the command's points.
     Only the keypoints are meaningful: use info['metrics']['keypoint_err_m'] to score such motions."""
-    kin = ssjr.G1Kinematics()
-    t = len(cmd["keypoints_w"])
     stance = [next((v for k, v in DEFAULT_STANCE_RAD.items() if name.endswith(k + "_joint")), 0.0)
               for name in ssjr.DOF_NAMES]
-    dof = np.broadcast_to(np.array(stance, np.float32), (t, 29)).copy()
+    dof = np.broadcast_to(np.array(stance, np.float32), (len(cmd["keypoints_w"]), 29)).copy()
     root_pos = cmd["keypoints_w"][:, ssjr.KEYPOINT_NAMES.index("pelvis")]
-    pos, quat = kin.forward(torch.as_tensor(root_pos), torch.as_tensor(cmd["root_quat_w"]), torch.as_tensor(dof))
+    pos, quat = ssjr.G1Kinematics().forward(torch.as_tensor(root_pos), torch.as_tensor(cmd["root_quat_w"]), torch.as_tensor(dof))
     pos = pos.numpy().copy()
     pos[:, list(ssjr.KEYPOINT_BODY_IDS)] = cmd["keypoints_w"]
-    dt = 1.0 / float(cmd["fps"])
     return {"kind": "human_keypoints", "fps": cmd["fps"], "body_pos_w": pos, "body_quat_w": quat.numpy(),
-            "body_lin_vel_w": np.gradient(pos, dt, axis=0).astype(np.float32),
+            "body_lin_vel_w": np.gradient(pos, 1.0 / float(cmd["fps"]), axis=0).astype(np.float32),
             "body_ang_vel_w": np.zeros_like(pos), "dof_pos": dof, "dof_vel": np.zeros_like(dof)}
 
 
@@ -287,7 +277,6 @@ def resolve_motions(motions) -> list[pathlib.Path]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Engine adapters: step physics with given joint torques, read and write state. Nothing task-specific.
-# ----------------------------------------------------------------------------------------------------------------
 class GenesisSim:
     """Genesis (gs.Scene + the G1 MJCF entity). CPU here, CUDA where available; every DR term batched per env."""
 
@@ -302,8 +291,7 @@ class GenesisSim:
                     performance_mode=performance_mode)
             GenesisSim.performance_mode = performance_mode
         elif GenesisSim.performance_mode != performance_mode:
-            raise ValueError(f"Genesis is already initialized in this process with performance_mode="
-                             f"{GenesisSim.performance_mode}; one mode per process (an env worker process can differ)")
+            raise ValueError(f"Genesis runs with performance_mode={GenesisSim.performance_mode} in this process")
         self.num_envs, self.device = num_envs, torch.device(device)
         self.scene = gs.Scene(
             sim_options=gs.options.SimOptions(dt=dt_s, substeps=1),
@@ -339,9 +327,8 @@ class GenesisSim:
     def step(self, tau_nm: torch.Tensor):
         self.robot.control_dofs_force(tau_nm, self.dofs)
         self.scene.step()
-        # Genesis raises at its next error check (every 10 substeps) once an env has gone non-finite, which can come
-        # before the task's check at the end of the control step. Those flags move here (no host sync) and nan_envs()
-        # hands them to the task, which resets those envs; capacity overflows stay Genesis' errors.
+        # Genesis raises at its next error check (every 10 substeps) once an env has gone non-finite, maybe before the
+        # task's check: those flags move here (no host sync) for nan_envs(); capacity overflows stay Genesis' errors.
         self._blown_up |= (self._errno & self._nan_bits) != 0
         self._errno &= ~self._nan_bits
 
@@ -358,9 +345,8 @@ class GenesisSim:
                 self._t(r.get_links_ang(idx)))
 
     def write_state(self, env_ids, root_pos, root_quat, root_lin_vel, root_ang_vel, q, qd):
-        qpos = torch.cat([root_pos, root_quat, q], -1)
         qs = [0, 1, 2, 3, 4, 5, 6] + [d + 1 for d in self.dofs]  # free joint: 3 pos + 4 quat in qpos, 6 dofs in qvel
-        self.robot.set_qpos(qpos, qs, envs_idx=env_ids, zero_velocity=True)
+        self.robot.set_qpos(torch.cat([root_pos, root_quat, q], -1), qs, envs_idx=env_ids, zero_velocity=True)
         # free joint dofs: linear velocity in the world frame, angular velocity in the root's own frame (as MuJoCo)
         ang_vel_b = quat_apply(quat_conj(root_quat), root_ang_vel)
         self.robot.set_dofs_velocity(torch.cat([root_lin_vel, ang_vel_b, qd], -1), [0, 1, 2, 3, 4, 5] + self.dofs,
@@ -456,25 +442,28 @@ def _write_ground_usd(path: pathlib.Path, terrain) -> None:
 
 class IsaacLabSim:
     """Isaac Lab 3.0, kit-less Newton/MuJoCo-Warp physics (PhysX needs Isaac Sim): the G1 USD cloned N times in one
-    InteractiveScene at env spacing 0 (Newton worlds never collide with each other) over a local ground. Every joint
-    has an implicit actuator with zero gains: step(tau) is a pure torque step. One instance per process
-    (SimulationContext is a singleton); close() frees it. Conventions handled here: Isaac Lab's xyzw quaternions and
-    joint/body order (remapped to MuJoCo's by name); velocities are the link frames' (d/dt body_pos), not the centres
-    of mass'; contact friction is the max of the pair and the ground's is 0, so the feet's is the ground-foot friction;
-    joint damping/frictionloss are MuJoCo's passive ones. Joints start with armature/damping/frictionloss 0 and every
-    env at q = 0: call `set_joint_params` and `write_state` before stepping."""
+    InteractiveScene at env spacing 0 (Newton worlds never collide) over a local ground; every joint has an implicit
+    actuator with zero gains, so step(tau) is a pure torque step. One instance per process (SimulationContext is a
+    singleton; close() frees it). Handled here: xyzw quaternions and Isaac Lab's joint/body order (remapped by name);
+    link-frame velocities (d/dt body_pos), not the centres of mass'; ground friction 0, so the feet's is the ground-foot
+    friction (contact: max of the pair); MuJoCo's passive joint damping/frictionloss. Joints start with zero
+    armature/damping/frictionloss at q = 0: call `set_joint_params` and `write_state` before stepping."""
 
-    dof_names = ssjr.DOF_NAMES
-    body_names = ssjr.BODY_NAMES
+    dof_names, body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
 
     def __init__(self, num_envs: int, device: str, terrain, dt_s: float = PHYSICS_DT_S):
-        from isaaclab.app import launch_simulation
         import isaaclab.sim as sim_utils
+        import warp as wp
+        from isaaclab.actuators import ImplicitActuatorCfg
+        from isaaclab.app import launch_simulation
+        from isaaclab.assets import ArticulationCfg, AssetBaseCfg
+        from isaaclab.scene import InteractiveScene, InteractiveSceneCfg
+        from isaaclab_newton.physics import MJWarpSolverCfg, NewtonCfg
+        from newton import ModelFlags
 
         if sim_utils.SimulationContext.instance() is not None:
             raise RuntimeError("an Isaac Lab SimulationContext already exists in this process: close() it first")
         self.num_envs, self.device, self.dt_s = num_envs, torch.device(device), dt_s
-        from isaaclab_newton.physics import MJWarpSolverCfg, NewtonCfg
         physics = NewtonCfg(solver_cfg=MJWarpSolverCfg(njmax=300, nconmax=60, ls_iterations=50,
                                                        cone="pyramidal", integrator="implicitfast"))
         sim_cfg = sim_utils.SimulationCfg(dt=dt_s, device=str(device), physics=physics)
@@ -484,11 +473,6 @@ class IsaacLabSim:
         self._tmp = tempfile.TemporaryDirectory(prefix="hord_isaaclab_")
         ground_usd = pathlib.Path(self._tmp.name) / "ground.usda"
         _write_ground_usd(ground_usd, terrain)
-
-        from isaaclab.actuators import ImplicitActuatorCfg
-        from isaaclab.assets import ArticulationCfg, AssetBaseCfg
-        from isaaclab.scene import InteractiveScene, InteractiveSceneCfg
-
         sim_utils.create_new_stage()
         self.sim = sim_utils.SimulationContext(sim_cfg)
         scene_cfg = InteractiveSceneCfg(num_envs=num_envs, env_spacing=0.0)
@@ -507,20 +491,16 @@ class IsaacLabSim:
         self.isaac_index_of_body = torch.tensor([bodies.index(n) for n in self.body_names], device=self.device)
         self._dof_inv = torch.argsort(self.isaac_index_of_dof)
         self._torso_isaac = bodies.index("torso_link")
-        # ground friction -> 0 (contact friction = max of the pair = the foot's); the foot shapes' mu, a live view
-        from newton import ModelFlags
-        import warp as wp
-
-        self._model = self.sim.physics_manager.get_model()
-        static = np.flatnonzero(self._model.shape_body.numpy() == -1)
-        for arr in (self._model.shape_material_mu, self._model.shape_material_mu_torsional,
-                    self._model.shape_material_mu_rolling):
-            values = arr.numpy()
-            values[static] = 0.0
-            arr.assign(values)
+        # ground friction -> 0 (contact friction = max of the pair = the foot's); live views of the foot shapes' mu
+        # and of the per-world gravity rows (Newton keeps one per world, MJWarp's opt.gravity, and a global last row)
+        model, self._model_flags = self.sim.physics_manager.get_model(), ModelFlags
+        static = wp.to_torch(model.shape_body) == -1
+        for arr in (model.shape_material_mu, model.shape_material_mu_torsional, model.shape_material_mu_rolling):
+            wp.to_torch(arr)[static] = 0.0
         self.sim.physics_manager.add_model_change(ModelFlags.SHAPE_PROPERTIES)
+        self._gravity = wp.to_torch(model.gravity)
         view, backend_bodies = self.robot.root_view, list(self.robot.backend_body_names)
-        self._shape_mu = wp.to_torch(view.get_attribute("shape_material_mu", self._model)[:, 0])
+        self._shape_mu = wp.to_torch(view.get_attribute("shape_material_mu", model)[:, 0])
         self._foot_shapes = torch.tensor(
             [s for foot in FEET for s in view.body_shapes[backend_bodies.index(foot)]], device=self.device)
         self._default_mass_isaac = self.robot.data.body_mass.torch.clone()
@@ -570,13 +550,9 @@ class IsaacLabSim:
         self.robot.write_root_link_velocity_to_sim_index(root_velocity=vel, env_ids=self._ids(env_ids))
 
     def set_gravity(self, env_ids, g_w) -> None:
-        """Per-env gravity [n,3]: Newton keeps one gravity row per world (MJWarp `opt.gravity` is per world)."""
-        from newton import ModelFlags
-        import warp as wp
-
-        gravity = wp.to_torch(self._model.gravity)  # [num_worlds + 1 (global), 3], a view
-        gravity[torch.as_tensor(env_ids, device=gravity.device).long()] = g_w.to(gravity.device, torch.float32)
-        self.sim.physics_manager.add_model_change(ModelFlags.MODEL_PROPERTIES)
+        """Per-env gravity [n,3]."""
+        self._gravity[torch.as_tensor(env_ids, device=self._gravity.device).long()] = g_w.to(self._gravity)
+        self.sim.physics_manager.add_model_change(self._model_flags.MODEL_PROPERTIES)
 
     def set_body_mass(self, env_ids, mass_kg) -> None:
         """Masses [n,30] (MuJoCo body order); inertias scale with the same per-body ratio."""
@@ -596,11 +572,9 @@ class IsaacLabSim:
 
     def set_friction(self, env_ids, mu) -> None:
         """Ground-foot friction coefficient [n] (written on every foot collision shape)."""
-        from newton import ModelFlags
-
         rows = torch.as_tensor(env_ids, device=self.device).long()
         self._shape_mu[rows[:, None], self._foot_shapes] = self._isaac(mu)[:, None]
-        self.sim.physics_manager.add_model_change(ModelFlags.SHAPE_PROPERTIES)
+        self.sim.physics_manager.add_model_change(self._model_flags.SHAPE_PROPERTIES)
 
     def set_joint_params(self, env_ids, armature, damping, frictionloss) -> None:
         """Per-env joint armature [kg m^2], passive damping [N m s/rad], dry friction [N m]; [n,29] MuJoCo order."""
@@ -619,23 +593,14 @@ class IsaacLabSim:
 
     def close(self) -> None:
         """Release the simulation so another IsaacLabSim can be built in this process."""
-        import isaaclab.sim as sim_utils
-
         self.sim.stop()
-        sim_utils.SimulationContext.clear_instance()
+        type(self.sim).clear_instance()
         self._launch.close()
         self._tmp.cleanup()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The tracking task, written once for both engines.
-# ----------------------------------------------------------------------------------------------------------------
-def projected_gravity(root_quat: torch.Tensor) -> torch.Tensor:
-    """The unit gravity direction seen in the root frame (what an IMU gives)."""
-    down = torch.tensor([0.0, 0.0, -1.0], device=root_quat.device).expand(*root_quat.shape[:-1], 3)
-    return quat_apply(quat_conj(root_quat), down)
-
-
 def shift_in(stack: torch.Tensor, new) -> torch.Tensor:
     """A per-env stack [N, T, ...], oldest first, moved one step on: `new` [N, ...] becomes its last entry."""
     stack = torch.roll(stack, -1, 1)
@@ -750,9 +715,7 @@ class TrackingEnv:
                 if body or k not in BODY_PSI_KEYS:
                     self.psi[k][ids] = v
             self._write_psi(ids, body)
-            self.next_push_s[ids] = uniform(self.dr.push_interval_s, m, self.gen, dev)
-        else:
-            self.next_push_s[ids] = float("inf")
+            self.next_push_s[ids] = uniform(self.dr.push_interval_s, m, self.gen, dev)  # without DR: inf, no pushes
         # reference-state initialization; the observation stacks of these envs restart from their first frame
         ref = self.reference(env_ids=ids)
         self.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], ref["body_lin_vel"][:, 0],
@@ -835,9 +798,11 @@ class TrackingEnv:
     # --- observations ---------------------------------------------------------------------------------------------
     @staticmethod
     def sparse_state(body, q, qd) -> torch.Tensor:
-        """s for HCDR and the student: dof pos, dof vel, root ang vel (root frame), projected gravity [N, 64]."""
-        quat, ang = body[1][:, 0], body[3][:, 0]  # the root is body 0 (pelvis)
-        return torch.cat([q, qd, quat_apply(quat_conj(quat), ang), projected_gravity(quat)], -1)
+        """s for HCDR and the student: dof pos, dof vel, root ang vel (root frame), projected gravity (the unit gravity
+        direction in the root frame, as an IMU gives it) [N, 64]."""
+        inv_root, ang = quat_conj(body[1][:, 0]), body[3][:, 0]  # the root is body 0 (pelvis)
+        down = torch.tensor([0.0, 0.0, -1.0], device=ang.device).expand_as(ang)
+        return torch.cat([q, qd, quat_apply(inv_root, ang), quat_apply(inv_root, down)], -1)
 
     def _observe(self, body, q, qd, advance: bool) -> dict[str, torch.Tensor]:
         """Observations of the current state. advance: a control step passed (the stacks shift by one step);
@@ -857,8 +822,7 @@ class TrackingEnv:
         s = self.sparse_state(body, q, qd)
         if self.sensor_std is not None:
             s = s + self.sensor_std * torch.randn(s.shape, generator=self.gen, device=self.device)
-        ground = self.terrain.height_at(root_pos[:, :2])
-        proprio = torch.cat([(root_pos[:, 2] - ground)[:, None], heading(pos[:, 1:] - root_pos[:, None]),
+        proprio = torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None], heading(pos[:, 1:] - root_pos[:, None]),
                              heading_rot6d(quat), heading(lin), heading(ang), s[:, :58], self.last_alpha], -1)
         for name, new in (("proprio_buf", proprio), ("sparse_buf", torch.cat([s, self.last_alpha], -1))):
             stack = shift_in(getattr(self, name), new) if advance else getattr(self, name)
@@ -917,7 +881,6 @@ def tracking_terms(body, ref):
 def tile_weights(tile_types, mix: dict[str, float]) -> torch.Tensor:
     """Spawn weight of each terrain tile: its type's share of the training mix over the number of tiles of that type
     (the mix is per terrain type, not per tile); uniform if no tile type is in the mix."""
-    tile_types = list(tile_types)
     w = torch.tensor([mix.get(t, 0.0) / tile_types.count(t) for t in tile_types])
     return w if w.sum() > 0 else torch.ones_like(w)
 
@@ -943,16 +906,13 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
             raise InputError(motions, "only held-out test clips (ssjr.TEST_CLIPS): nothing to train on")
     motion_lib = MotionLib(paths, device)  # before the engine: a bad motion file leaves no simulator behind
     ground = make_terrain(terrain, seed if terrain_seed is None else terrain_seed)
-    if sim == "genesis":
-        engine = GenesisSim(num_envs, device, ground, performance_mode=performance_mode)
-    else:
-        engine = IsaacLabSim(num_envs, device, ground)
+    engine = (GenesisSim(num_envs, device, ground, performance_mode=performance_mode) if sim == "genesis"
+              else IsaacLabSim(num_envs, device, ground))
     return TrackingEnv(engine, motion_lib, ground, dr, seed, start)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Benchmark: our env vs the raw engine stepping the same scene (same adapter, same N, same run).
-# ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class Bench:
     """python envs.py bench --sim genesis --num-envs 64"""
@@ -1012,7 +972,6 @@ def bench(args: Bench) -> None:
         env._write_psi = lambda ids, body: None
         without = rate(lambda: env_step(True), max(1, args.steps // 2))
         del env._write_psi
-        env.dr.body_psi_per_episode = False
         return 100 * (1 - with_writes / without)
 
     def raw_hold():
