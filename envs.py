@@ -216,8 +216,7 @@ class MotionLib:
     a control tick, so the env reads the reference by indexing (`at_tick`) instead of interpolating every step."""
 
     def __init__(self, packet_paths: list[pathlib.Path], device, dt_s: float = CONTROL_DT_S):
-        packets = [ssjr.load_packet(p) for p in packet_paths]
-        packets = [p if p["kind"] == "robot" else keypoints_to_packet(p) for p in packets]
+        packets = [p if p["kind"] == "robot" else keypoints_to_packet(p) for p in map(ssjr.load_packet, packet_paths)]
         self.keypoints_only = torch.tensor([p["kind"] == "human_keypoints" for p in packets], device=device)
         self.length_s = torch.tensor([(len(p["dof_pos"]) - 1) / float(p["fps"]) for p in packets], device=device)
         # the start ticks of each clip: 0 .. last_start_tick
@@ -251,8 +250,8 @@ def keypoints_to_packet(cmd: dict) -> dict:
     stance = [next((v for k, v in DEFAULT_STANCE_RAD.items() if name.endswith(k + "_joint")), 0.0)
               for name in ssjr.DOF_NAMES]
     dof = np.broadcast_to(np.array(stance, np.float32), (len(cmd["keypoints_w"]), 29)).copy()
-    root_pos = cmd["keypoints_w"][:, ssjr.KEYPOINT_NAMES.index("pelvis")]
-    pos, quat = ssjr.G1Kinematics().forward(torch.as_tensor(root_pos), torch.as_tensor(cmd["root_quat_w"]), torch.as_tensor(dof))
+    root_pos = torch.as_tensor(cmd["keypoints_w"][:, ssjr.KEYPOINT_NAMES.index("pelvis")])
+    pos, quat = ssjr.G1Kinematics().forward(root_pos, torch.as_tensor(cmd["root_quat_w"]), torch.as_tensor(dof))
     pos = pos.numpy().copy()
     pos[:, list(ssjr.KEYPOINT_BODY_IDS)] = cmd["keypoints_w"]
     return {"kind": "human_keypoints", "fps": cmd["fps"], "body_pos_w": pos, "body_quat_w": quat.numpy(),
@@ -614,14 +613,13 @@ class TrackingEnv:
     HISTORY_LEN = 16  # K for HCDR (see hcdr.py for the choice)
     PROPRIO_STEPS, FUTURE_STEPS, STUDENT_PAST, STUDENT_FUTURE = 5, 8, 8, 2
 
-    def __init__(self, sim, motion_lib: MotionLib, terrain: Terrain, dr: DR | None, seed: int,
-                 start: str = "random", terrain_mix: dict[str, float] | None = None):
+    def __init__(self, sim, motion_lib: MotionLib, terrain: Terrain, dr: DR | None, seed: int, start: str = "random"):
         self.sim, self.motions, self.terrain, self.dr, self.start = sim, motion_lib, terrain, dr, start  # START_MODES
         self.num_envs, self.device = n, dev = sim.num_envs, sim.device
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
         self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
         self.scan_xy = SCAN_XY_M.to(dev)
-        self.tile_weights = tile_weights(terrain.tile_types, terrain_mix or TERRAIN_MIX).to(dev)
+        self.tile_weights = tile_weights(terrain.tile_types, TERRAIN_MIX).to(dev)
         self.spawn_xy = torch.as_tensor(terrain.spawn_xy_m, device=dev)
         self.sensor_std = dr.sensor_std().to(dev) if dr is not None else None
         self.default_mass = sim.default_body_mass_kg.clone()
@@ -644,8 +642,7 @@ class TrackingEnv:
         self._seed(seed)
 
     def _seed(self, seed: int):
-        """The random stream restarts at `seed`: the clip rotation and psi (the body part too: it stays for the run,
-        see DR.body_psi_per_episode) as at the start."""
+        """Restart the random stream at `seed`: the clip rotation and all of psi (see DR.body_psi_per_episode)."""
         self.gen.manual_seed(seed)
         self.next_clip = torch.arange(self.num_envs, device=self.device) % len(self.motions)
         self.psi = sample_psi(self.dr, self.num_envs, self.gen, self.device)
@@ -677,9 +674,8 @@ class TrackingEnv:
             clip, tick = clip.repeat_interleave(k), (tick[:, None] + steps).flatten()
             offset = offset.repeat_interleave(k, 0)
         ref = self.motions.at_tick(clip, tick + (0 if window else steps))
-        pos = ref["body_pos"] + offset[:, None]
+        ref["body_pos"] = pos = ref["body_pos"] + offset[:, None]
         pos[..., 2] += self.terrain.height_at(pos[:, 0, :2])[:, None]
-        ref["body_pos"] = pos
         return {key: v.view(-1, k, *v.shape[1:]) for key, v in ref.items()} if window else ref
 
     # --- reset ----------------------------------------------------------------------------------------------------
@@ -740,8 +736,7 @@ class TrackingEnv:
     # --- step -----------------------------------------------------------------------------------------------------
     def step(self, alpha: torch.Tensor):
         """One 50 Hz control step: PD targets alpha [N,29] -> (obs, reward [N], done [N], info)."""
-        dev, psi = self.device, self.psi
-        alpha = alpha.detach().to(dev)
+        alpha, dev, psi = alpha.detach().to(self.device), self.device, self.psi
         s_before = self.sparse_buf[:, -1, :SPARSE_STATE_DIM]  # s_t, observed at the end of the last step
         kp, kd = self.kp * psi["kp_scale"][:, None], self.kd * psi["kd_scale"][:, None]
         # pushes: a random horizontal kick of the root velocity every U[5, 10] s of episode time (not clip time)
@@ -822,8 +817,9 @@ class TrackingEnv:
         s = self.sparse_state(body, q, qd)
         if self.sensor_std is not None:
             s = s + self.sensor_std * torch.randn(s.shape, generator=self.gen, device=self.device)
-        proprio = torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None], heading(pos[:, 1:] - root_pos[:, None]),
-                             heading_rot6d(quat), heading(lin), heading(ang), s[:, :58], self.last_alpha], -1)
+        proprio = torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
+                             heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat), heading(lin), heading(ang),
+                             s[:, :58], self.last_alpha], -1)
         for name, new in (("proprio_buf", proprio), ("sparse_buf", torch.cat([s, self.last_alpha], -1))):
             stack = shift_in(getattr(self, name), new) if advance else getattr(self, name)
             setattr(self, name, torch.where(self._fresh[:, None, None], new[:, None], stack))
