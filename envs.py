@@ -304,9 +304,8 @@ class GenesisSim:
         self.scene.add_entity(ground, material=gs.materials.Rigid(friction=0.01))
         self.robot = self.scene.add_entity(gs.morphs.MJCF(file=str(ssjr.g1_mjcf_path())))
         self.scene.build(n_envs=num_envs)
-        names = [link.name for link in self.robot.links]
-        self.links = [names.index(b) for b in ssjr.BODY_NAMES]
-        self.links_global = [self.robot.links[i].idx for i in self.links]  # the solver's link numbering
+        links = [self.robot.get_link(b) for b in ssjr.BODY_NAMES]
+        self.links, self.links_global = [k.idx_local for k in links], [k.idx for k in links]  # entity's, solver's index
         self.dofs = [self.robot.get_joint(j).dofs_idx_local[0] for j in ssjr.DOF_NAMES]
         self.torso = self.links[ssjr.BODY_NAMES.index("torso_link")]
         self.feet = [self.links[ssjr.BODY_NAMES.index(f)] for f in FEET]
