@@ -41,7 +41,8 @@ recorded right after every env.step() (the states the env judged). Per episode o
 Aggregation: the mean over the episodes of each (checkpoint, setting, seed), then mean ± std (ddof 1) over seeds; a
 blown-up episode fails and its errors are left out of the means. Push recovery (+dr): the success rate of the episodes
 pushed at least once. Significance: scipy.stats.ttest_rel of each checkpoint against the first, p < --alpha flagged `*`.
-Outputs in --out-dir: table.md, episodes.csv (one row per episode), summary.json, plots/*.png, videos/*.mp4.
+Outputs in --out-dir: table.md, episodes.csv (one row per episode), summary.json, plots/*.png. Videos of a motion:
+`python ssjr.py show <packet>`.
 """
 from __future__ import annotations
 
@@ -106,11 +107,7 @@ class Args:
     max_steps: int = 0
     """stop each rollout after this many control steps, recording unfinished episodes as truncated (0 = no cap)"""
     out_dir: str = "results/eval"
-    """where table.md, episodes.csv, summary.json, plots and videos go"""
-    video_clips: tuple[str, ...] = ()
-    """clips or motions (all their segments) to render as mp4 (robot + reference keypoints), first seed and episode"""
-    video_setting: str = ""
-    """setting of the videos (default: the first one)"""
+    """where table.md, episodes.csv, summary.json and plots go"""
     alpha: float = 0.01
     """significance level of the paired t-tests"""
 
@@ -224,7 +221,7 @@ def ttest_rows(rows: list[dict], labels: list[str], settings: list[str], alpha: 
     return out
 
 
-# --- 3. Reports: markdown tables, CSV, JSON, plots, videos (every file through ssjr.write_atomic). ---
+# --- 3. Reports: markdown tables, CSV, JSON, plots (every file through ssjr.write_atomic). ---
 def _cell(rows: list[dict], metric: str) -> str:
     """mean ± std over seeds (mean alone for one seed)."""
     mean, std, n = seed_stats(rows, metric)
@@ -349,13 +346,6 @@ def plot_rates(path, rows: list[dict], labels: list[str], settings: list[Setting
     ax.legend()
     fig.tight_layout()
     ssjr.write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
-
-
-def write_video(rec: dict, path, title: str = "", dt_s: float = envs.CONTROL_DT_S) -> pathlib.Path:
-    """mp4 of a recorded episode: the robot's bodies with the reference SSJR keypoints drawn with them."""
-    keypoints = np.asarray(rec["ref_body_pos_w"])[:, list(ssjr.KEYPOINT_BODY_IDS)]
-    return ssjr.write_atomic(path, lambda tmp: ssjr.render_motion(np.asarray(rec["body_pos_w"]), tmp, round(1.0 / dt_s),
-                                                                  extra_points=keypoints, title=title))
 
 
 def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
@@ -550,10 +540,6 @@ def main(args: Args) -> dict:
     settings = [parse_setting(t, train_sim) for t in args.settings]
     motion_paths = resolve_motions(args.motions, args.packet_dir)
     clips, kinds = [p.stem for p in motion_paths], [ssjr.packet_kind(p) for p in motion_paths]
-    unknown = set(args.video_clips) - set(clips) - {motion_name(c) for c in clips}
-    if unknown:
-        raise InputError("--video-clips", f"{sorted(unknown)} not among the evaluated clips {clips}")
-    video_setting = parse_setting(args.video_setting, train_sim).name if args.video_setting else settings[0].name
     plan = episode_plan(min(args.num_envs, len(clips) * args.episodes), len(clips), args.episodes)
     rows = []
     bar = tqdm(total=len(args.ckpt) * len(settings) * len(args.seeds) * len(clips) * args.episodes, unit="episode")
@@ -564,31 +550,24 @@ def main(args: Args) -> dict:
             with opened_env(ckpt["env_cfg"], setting, motion_paths, len(plan), args.device, args.seeds[0]) as env:
                 for seed in args.seeds:
                     bar.set_description(f"{label} | {setting.name} | seed {seed}")
-                    for row, rec in evaluate_seed(env, policy, ckpt, path, label, setting, seed, clips, kinds, plan,
-                                                  args.max_steps):
+                    for row, _ in evaluate_seed(env, policy, ckpt, path, label, setting, seed, clips, kinds, plan,
+                                                args.max_steps):
                         rows.append(row)
-                        if ({row["clip"], row["motion"]} & set(args.video_clips) and setting.name == video_setting
-                                and seed == args.seeds[0] and row["episode"] == 0):
-                            name = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{label}_{setting.name}_{row['clip']}.mp4")
-                            write_video(rec, pathlib.Path(args.out_dir) / "videos" / name,
-                                        title=f"{label} | {setting.title} | {row['clip']} | seed {seed}")
                         bar.update(1)
     bar.close()
     order = {"label": labels, "setting": [s.name for s in settings], "clip": clips}
     rows.sort(key=lambda r: (order["label"].index(r["label"]), order["setting"].index(r["setting"]), r["seed"],
                              order["clip"].index(r["clip"]), r["episode"]))  # episodes finish in any order
-    notes = coverage_notes(rows, labels, settings, args, clips, len(plan), video_setting)
+    notes = coverage_notes(rows, labels, settings, len(clips) * args.episodes * len(args.seeds), args.max_steps)
     for note in notes:
         warnings.warn(note)
     return write_outputs(args.out_dir, rows, labels, settings, args.alpha, tuple(notes))
 
 
-def coverage_notes(rows: list[dict], labels: list[str], settings: list[Setting], args: Args, clips: list[str],
-                   num_envs: int, video_setting: str) -> list[str]:
-    """Blown-up (NaN) episodes; episodes --max-steps left unplayed (it caps each whole rollout, so later clips are only
-    reached if earlier ones end in time); --video-clips never recorded."""
+def coverage_notes(rows: list[dict], labels: list[str], settings: list[Setting], planned: int,
+                   max_steps: int) -> list[str]:
+    """Blown-up (NaN) episodes, and planned episodes never reached (--max-steps caps each whole rollout)."""
     notes, by = [], group(rows, "label", "setting")
-    planned = len(clips) * args.episodes * len(args.seeds)
     for label in labels:
         for s in settings:
             sel = by.get((label, s.name), [])
@@ -596,16 +575,8 @@ def coverage_notes(rows: list[dict], labels: list[str], settings: list[Setting],
                 notes.append(f"{label} | {s.name}: {blown_up} of {len(sel)} episodes blew up (NaN state); they count "
                              f"as failures and are left out of the error means")
             if len(sel) < planned:
-                unreached = ", ".join(c for c in clips if not any(r["clip"] == c for r in sel)) or "none"
                 notes.append(f"{label} | {s.name}: {planned - len(sel)} of {planned} planned episodes not reached "
-                             f"within --max-steps {args.max_steps} (a cap on each rollout of {num_envs} envs); clips "
-                             f"never reached: {unreached}")
-    for label in labels:
-        recorded = {c for r in by.get((label, video_setting), []) if (r["seed"], r["episode"]) == (args.seeds[0], 0)
-                    for c in (r["clip"], r["motion"])}
-        if missing := [c for c in args.video_clips if c not in recorded]:
-            notes.append(f"--video-clips {', '.join(missing)}: not reached for {label} in {video_setting}, seed "
-                         f"{args.seeds[0]}: no video")
+                             f"within --max-steps {max_steps}")
     return notes
 
 

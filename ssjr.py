@@ -6,7 +6,6 @@ packet per segment (PACKET_KEYS). Robot sources give full packets; human sources
 scaled to the G1. The student's command Y_t is the sparse keypoint set KEYPOINT_NAMES in the robot's heading frame.
 
   python ssjr.py convert ../shared/data/g1_moves --out data/packets/g1_moves
-  python ssjr.py info data/packets/g1_moves/M_Move7_seg00.npz
   python ssjr.py show data/packets/g1_moves/M_Move7_seg00.npz --out clip.png   # or .mp4 / .gif
 """
 from __future__ import annotations
@@ -881,19 +880,23 @@ class Convert:
 
 @dataclass
 class ClipReport:
-    """One row of convert's summary: what came in, what was kept, why the rest was dropped."""
+    """What convert did with one clip: segments kept, dropped (by reason), frames repaired or clipped, or its error."""
     source: str
     clip: str
     kind: str = ""
-    fps_in: float = 0.0
     seconds: float = 0.0
     kept: int = 0
     kept_s: float = 0.0
-    dropped: dict[str, int] = field(default_factory=dict)  # dropped segments by reason
+    dropped: dict[str, int] = field(default_factory=dict)
     glitch_frames: int = 0
     clipped_frames: int = 0
     notes: list[str] = field(default_factory=list)
     error: str = ""  # the one-line InputError that stopped the clip
+
+    def __str__(self) -> str:
+        return self.error or "; ".join([f"{self.clip} ({self.kind}, {self.seconds:.1f} s): kept {self.kept} segments "
+                                        f"({self.kept_s:.1f} s), dropped {self.dropped or 'none'}, IK-glitch frames "
+                                        f"repaired {self.glitch_frames}, clipped {self.clipped_frames}"] + self.notes)
 
 
 def motion_files(src: tuple[pathlib.Path, ...]) -> list[pathlib.Path]:
@@ -972,7 +975,7 @@ def convert_human(m: HumanMotion, kin: G1Kinematics, args: Convert, report: Clip
 
 
 def convert(args: Convert) -> list[ClipReport]:
-    """Convert every file; a bad file or clip is reported (one line on stderr) and skipped."""
+    """Convert every file, printing one line per clip; a bad file or clip is reported (on stderr) and skipped."""
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.out).close()
@@ -991,7 +994,7 @@ def convert(args: Convert) -> list[ClipReport]:
             continue
         for m in motions:
             robot = isinstance(m, RobotMotion)
-            report = ClipReport(m.source, m.name, "robot" if robot else "human", m.fps,
+            report = ClipReport(m.source, m.name, "robot" if robot else "human",
                                 len(m.dof_pos if robot else m.joints) / m.fps, notes=m.notes)
             try:
                 if written_from.setdefault(m.name, m.source) != m.source:
@@ -1001,29 +1004,10 @@ def convert(args: Convert) -> list[ClipReport]:
                     stale.unlink()
                 (convert_robot if robot else convert_human)(m, kin, args, report)
             except InputError as e:
-                print(e, file=sys.stderr)
                 report.error = str(e)
             reports.append(report)
+            print(report, file=sys.stderr if report.error else sys.stdout)
     return reports
-
-
-def summary_table(reports: list[ClipReport], seconds: float) -> str:
-    """What `convert` prints: one row per clip, then the totals (clips and segments kept, dropped and why)."""
-    lines = [f"{'clip':<44} {'kind':<6} {'fps':>4} {'src s':>6} {'kept':>4} {'kept s':>7} {'glitch fr':>9} "
-             f"{'clipped':>7}  dropped / note"]
-    dropped = dict(sum((collections.Counter(r.dropped) for r in reports), collections.Counter()))
-    for r in reports:
-        note = r.error.removeprefix(r.source).lstrip(" :") or ", ".join(
-            [f"{n} seg: {k}" for k, n in r.dropped.items()] + r.notes)
-        lines.append(f"{r.clip[:44]:<44} {r.kind:<6} {r.fps_in:>4.0f} {r.seconds:>6.1f} {r.kept:>4} {r.kept_s:>7.1f} "
-                     f"{r.glitch_frames:>9} {r.clipped_frames:>7}  {note}")
-    kept = sum(1 for r in reports if r.kept)
-    lines.append(f"clips: {len(reports)} in, {kept} kept, {len(reports) - kept} dropped; segments: "
-                 f"{sum(r.kept for r in reports)} kept, dropped {dropped or 'none'}; IK-glitch frames repaired: "
-                 f"{sum(r.glitch_frames for r in reports)}")
-    lines.append(f"motion: {sum(r.seconds for r in reports) / 60:.1f} min in, "
-                 f"{sum(r.kept_s for r in reports) / 60:.1f} min kept; took {seconds:.1f} s")
-    return "\n".join(lines)
 
 
 def train_test_split(packet_paths) -> tuple[list, list]:
@@ -1093,30 +1077,7 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 10. Command line: convert / info / show.
-def info(packet: tyro.conf.Positional[pathlib.Path]) -> str:
-    """Print what a packet or keypoint command file holds.
-
-    Args:
-        packet: an SSJR packet or human keypoint command (.npz)
-    """
-    p = load_packet(packet)
-    lines = [f"{packet}  kind={p['kind']}  fps={p['fps']:g}"]
-    for k, v in p.items():
-        if isinstance(v, np.ndarray):
-            lines.append(f"  {k:<16} {str(v.shape):<16} {v.dtype}  range [{v.min():.3f}, {v.max():.3f}]")
-        elif isinstance(v, list):
-            lines.append(f"  {k:<16} [{len(v)}] {', '.join(v[:4])}{', ...' if len(v) > 4 else ''}")
-    pos = p["body_pos_w"][:, 0] if p["kind"] == "robot" else p["root_pos_w"]
-    lines.append(f"  frames {len(pos)} = {len(pos) / p['fps']:.2f} s; root travels "
-                 f"{np.linalg.norm(np.diff(pos[:, :2], axis=0), axis=1).sum():.2f} m, height "
-                 f"{pos[:, 2].min():.2f}-{pos[:, 2].max():.2f} m")
-    if p["kind"] == "robot":
-        speed = np.abs(p["dof_vel"]).max(axis=0)
-        lines.append(f"  max |dof vel| {speed.max():.1f} rad/s ({DOF_NAMES[speed.argmax()]})")
-    return "\n".join(lines + [f"  text: {p['text']!r}", f"  source: {p['source']}", f"  license: {p['license']}"])
-
-
+# 10. Command line: convert / show.
 def show(packet: tyro.conf.Positional[pathlib.Path], out: pathlib.Path = pathlib.Path("clip.png"),
          start_s: float = 0.0, duration_s: float | None = None) -> str:
     """Draw a packet: a strip of frames (.png) or an animation (.mp4 / .gif).
@@ -1140,11 +1101,16 @@ def show(packet: tyro.conf.Positional[pathlib.Path], out: pathlib.Path = pathlib
 def main() -> None:
     torch.set_num_threads(1)  # small tensors: threads only add overhead
     try:
-        out = tyro.extras.subcommand_cli_from_dict({"convert": Convert, "info": info, "show": show})
+        out = tyro.extras.subcommand_cli_from_dict({"convert": Convert, "show": show})
         if isinstance(out, Convert):
             start = time.perf_counter()
             reports = convert(out)
-            print(summary_table(reports, time.perf_counter() - start))
+            kept = sum(1 for r in reports if r.kept)
+            dropped = dict(sum((collections.Counter(r.dropped) for r in reports), collections.Counter()))
+            print(f"clips: {len(reports)} in, {kept} kept, {len(reports) - kept} dropped; segments: "
+                  f"{sum(r.kept for r in reports)} kept, dropped {dropped or 'none'}; motion: "
+                  f"{sum(r.seconds for r in reports) / 60:.1f} min in, {sum(r.kept_s for r in reports) / 60:.1f} min "
+                  f"kept; took {time.perf_counter() - start:.1f} s")
             sys.exit(int(bool(reports) and not any(r.kept for r in reports)))
         print(out)
     except InputError as e:
