@@ -182,11 +182,6 @@ def z_quat(angle_rad: torch.Tensor) -> torch.Tensor:
     return torch.stack((torch.cos(0.5 * angle_rad), zero, zero, torch.sin(0.5 * angle_rad)), dim=-1)
 
 
-def yaw_quat(q: torch.Tensor) -> torch.Tensor:
-    """The heading part of q: a rotation about world z by q's yaw."""
-    return z_quat(yaw_rad(q))
-
-
 def quat_angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Geodesic angle (rad, in [0, pi]) between the rotations a and b."""
     d = quat_mul(quat_conj(a), b)
@@ -899,17 +894,6 @@ class ClipReport:
                                         f"repaired {self.glitch_frames}, clipped {self.clipped_frames}"] + self.notes)
 
 
-def motion_files(src: tuple[pathlib.Path, ...]) -> list[pathlib.Path]:
-    """Files as given, plus the motion files (.csv .npz .pkl .bvh) inside given folders (sorted)."""
-    return [f for s in map(pathlib.Path, src) for f in ([s] if not s.is_dir() else sorted(
-        p for p in s.rglob("*") if p.suffix.lower() in (".csv", ".npz", ".pkl", ".bvh") and p.is_file()))]
-
-
-def _license(path: pathlib.Path, flag: str) -> str:
-    found = [d / "SOURCE.txt" for d in list(path.parents)[:3] if (d / "SOURCE.txt").exists()]
-    return flag or (" ".join(found[0].read_text().split()) if found else "unknown (not stated by the source)")
-
-
 def _check_finite(where: str, **arrays: np.ndarray) -> None:
     for key, a in arrays.items():
         if len(a) == 0:
@@ -926,9 +910,11 @@ def _where(m: RobotMotion | HumanMotion) -> str:
 
 def write_segments(m: RobotMotion | HumanMotion, args: Convert, report: ClipReport, meta: dict, arrays: dict,
                    bounds: list[tuple[int, int]], reasons: list[str] | None = None) -> None:
-    """One packet <clip>_segNN.npz per segment [a, b) of `arrays`; a segment with a reason to drop it is counted."""
-    meta = dict(fps=FPS, **meta, text=args.text, source=m.source,
-                license=_license(pathlib.Path(m.source), args.license))
+    """One packet <clip>_segNN.npz per segment [a, b) of `arrays`; a segment with a reason to drop it is counted.
+    The license: --license, else the SOURCE.txt next to or up to two folders above the source file."""
+    found = [d / "SOURCE.txt" for d in list(pathlib.Path(m.source).parents)[:3] if (d / "SOURCE.txt").exists()]
+    meta = dict(fps=FPS, **meta, text=args.text, source=m.source, license=args.license or (
+        " ".join(found[0].read_text().split()) if found else "unknown (not stated by the source)"))
     for s, (a, b) in enumerate(bounds):
         if reasons and reasons[s]:
             report.dropped[reasons[s]] = report.dropped.get(reasons[s], 0) + 1
@@ -984,7 +970,9 @@ def convert(args: Convert) -> list[ClipReport]:
     kin = G1Kinematics()
     reports = []
     written_from: dict[str, str] = {}  # output clip name -> its source: two sources must not share a name
-    for path in motion_files(args.src):
+    files = [f for s in args.src for f in ([s] if not s.is_dir() else sorted(  # folders: their motion files, sorted
+        p for p in s.rglob("*") if p.suffix.lower() in (".csv", ".npz", ".pkl", ".bvh") and p.is_file()))]
+    for path in files:
         try:
             motions = load_motions(path, args.format, args.fps, args.allow_23dof, args.smpl_model, args.bvh_scale_m,
                                    args.bvh_up)

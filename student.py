@@ -22,7 +22,7 @@ loss = MSE(alpha_2, alpha_1), `update_epochs` passes of minibatches.
 Choices where the paper is silent:
 - Nominal pose: TokenPolicy zero-initializes its head, so the student adds a fixed bias alpha_0 = the mean reference
   joint position of its training motions (a buffer: in checkpoints and the ONNX graph). An untrained student then
-  holds the clips' average (standing) pose instead of all joints at 0 rad, and the first labels come from upright states.
+  holds the clips' average (standing) pose instead of all joints at 0 rad: the first labels come from upright states.
 - HCDR (paper: one shared module, the student "uses the same temporal memory embedding m_t"): by default the student's
   m_t is the teacher's HCDR (and history normalizer), frozen, over the same history H_t. --hcdr finetune trains it on
   with the DAgger loss, --hcdr scratch gives the student its own (the ablation), --hcdr none none at all.
@@ -51,7 +51,7 @@ import ssjr
 import teacher
 from ssjr import InputError
 from teacher import (all_reduce_grads, broadcast_from_rank0, build_env, check_layout, checkpoint_args, dist,
-                     load_checkpoint, open_run_dir, restore, run_session, saved_rng, start_run)
+                     load_checkpoint, restore, run_session, saved_rng, start_run)
 
 
 @dataclass
@@ -213,7 +213,6 @@ def train(args: Args, env=None) -> pathlib.Path:
                                       f"{resume['teacher']['global_step']:,}, but that file now holds step "
                                       f"{tckpt['global_step']:,} (the teacher run went on): start a new student")
     env_cfg = student_env_cfg(args, tckpt)
-    run_dir = open_run_dir(args, env_cfg["sim"], rank, world)
     own_env = env is None
     if own_env:
         env = build_env(env_cfg, args.num_envs, device, args.seed + rank, terrain_seed=args.seed,  # one terrain
@@ -294,12 +293,12 @@ def train(args: Args, env=None) -> pathlib.Path:
             length, success = (x / episodes if episodes else float("nan") for x in ep)
             scalars = {"charts/action_mse": action_mse, "charts/success_rate": success,
                        "charts/episode_length": length, "charts/gt_err_mm": 1000 * gt_err_m, "charts/beta": beta,
-                       "charts/teacher_action_fraction": teacher_fraction, "charts/nan_resets": nan_resets, "losses/dagger_mse_first_epoch": epoch_losses[0],
-                       "losses/dagger_mse": epoch_losses[-1]}
+                       "charts/teacher_action_fraction": teacher_fraction, "charts/nan_resets": nan_resets,
+                       "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1]}
             end_iteration(global_step, iteration, scalars,
                           f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | "
                           f"success {success:.2f} | g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f}")
-    return run_dir / "student.pt"
+    return pathlib.Path(args.run_dir) / "student.pt"
 
 
 # --- export: the deployable artefact ---------------------------------------------------------------------------------

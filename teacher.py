@@ -444,32 +444,26 @@ def start_run(args, kind: str):
     return args, resume, device, rank, world
 
 
-def open_run_dir(args, sim: str, rank: int, world: int) -> pathlib.Path:
-    """--run-dir or runs/{exp_name}_{sim}_{seed}_{time} (rank 0's name on every rank); rank 0 creates it and prints
-    the configuration."""
-    name = [args.run_dir or f"runs/{args.exp_name}_{sim}_{args.seed}_{int(time.time())}"]
-    if world > 1:
-        dist.broadcast_object_list(name, 0)
-    args.run_dir = name[0]
-    if rank == 0:
-        pathlib.Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-        print("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
-    return pathlib.Path(args.run_dir)
-
-
 @contextlib.contextmanager
 def run_session(args, kind: str, state, model: nn.Module, env, device, rank: int, world: int, global_step: int,
                 iteration: int, curves: dict, png: str):
-    """Around a training loop that starts after `iteration` iterations (`global_step` env-steps); yields
-    (stopping, end_iteration):
+    """Around a training loop that starts after `iteration` iterations (`global_step` env-steps). Makes the run folder
+    (--run-dir or runs/{exp_name}_{sim}_{seed}_{time}, rank 0's name on every rank; rank 0 prints the configuration)
+    and yields (stopping, end_iteration):
     - stopping(): True on every rank once Ctrl-C or torchrun's SIGTERM reached one (all leave the loop together).
     - end_iteration(global_step, iteration, scalars, line): rank 0 logs `scalars` and the throughput charts/SPS to
       TensorBoard and prints `line`; every --checkpoint-every iterations rank 0 writes run_dir/{kind}.pt:
       {'kind', **state(), the counters, the world size, every rank's random streams (for an exact --resume)}.
     On the way out the last finished iteration is saved (after a crash too, unless the weights went bad) and rank 0
-    plots `curves` ({tag: title}) to run_dir/png."""
+    plots `curves` ({tag: title}) vs env-steps to run_dir/png, raw and a 20-iteration moving average."""
     from torch.utils.tensorboard import SummaryWriter
-    run_dir, first_iteration, start_step = pathlib.Path(args.run_dir), iteration, global_step
+    name = [args.run_dir or f"runs/{args.exp_name}_{state()['env_cfg']['sim']}_{args.seed}_{int(time.time())}"]
+    if world > 1:
+        dist.broadcast_object_list(name, 0)
+    args.run_dir, run_dir, first_iteration, start_step = name[0], pathlib.Path(name[0]), iteration, global_step
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
 
     def rng_states() -> list[dict]:  # every rank's learner (sampling, minibatch order) and env streams, in rank order
         states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
@@ -520,7 +514,20 @@ def run_session(args, kind: str, state, model: nn.Module, env, device, rank: int
         if writer is not None:
             writer.close()
     checkpoint()
-    if rank == 0 and plot_curves(run_dir, curves, png):
+    log = read_log(run_dir) if rank == 0 else {}  # {} before the first iteration
+    if log:
+        from matplotlib.figure import Figure
+        fig, x = Figure(figsize=(3 * len(curves), 3.2), layout="tight"), log["global_step"]
+        for ax, (tag, title) in zip(fig.subplots(1, len(curves)), curves.items()):
+            y = np.asarray(log[tag], dtype=float)
+            ax.plot(x, y, alpha=0.35, lw=0.8)
+            if len(y) >= 20:
+                ax.plot(x[19:], np.convolve(np.nan_to_num(y, nan=np.nanmean(y)), np.ones(20) / 20, mode="valid"),
+                        lw=1.8)
+            ax.set_xlabel("env steps", fontsize=8)
+            ax.set_title(title, fontsize=8)
+            ax.grid(alpha=0.3)
+        fig.savefig(run_dir / png, dpi=110)
         print(f"saved {kind}.pt, the TensorBoard log and {png} in {run_dir}")
 
 
@@ -533,32 +540,11 @@ def read_log(run_dir) -> dict[str, list[float]]:
     return {"global_step": [e.step for e in events.Scalars("iteration")], **log} if log else {}
 
 
-def plot_curves(run_dir, panels: dict[str, str], png: str) -> bool:
-    """The scalars `panels` ({tag: title}) vs env-steps, raw and a 20-iteration moving average -> run_dir/png; False
-    if nothing was logged yet."""
-    from matplotlib.figure import Figure
-    log = read_log(run_dir)
-    if not log:
-        return False
-    fig, x = Figure(figsize=(3 * len(panels), 3.2), layout="tight"), log["global_step"]
-    for ax, (tag, title) in zip(fig.subplots(1, len(panels)), panels.items()):
-        y = np.asarray(log[tag], dtype=float)
-        ax.plot(x, y, alpha=0.35, lw=0.8)
-        if len(y) >= 20:
-            ax.plot(x[19:], np.convolve(np.nan_to_num(y, nan=np.nanmean(y)), np.ones(20) / 20, mode="valid"), lw=1.8)
-        ax.set_xlabel("env steps", fontsize=8)
-        ax.set_title(title, fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.savefig(pathlib.Path(run_dir) / png, dpi=110)
-    return True
-
-
 def main(args: Args) -> pathlib.Path:
     args, resume, device, rank, world = start_run(args, "teacher")
     if args.minibatch_size > args.num_envs * args.num_steps:
         raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
                                              f"x {args.num_steps} steps)")
-    run_dir = open_run_dir(args, args.sim, rank, world)
     env_cfg = {**env_kwargs(args), "motions": robot_motions(args.motions)}  # what the student distils on, too
     env = build_env(env_cfg, args.num_envs, device, args.seed + rank, terrain_seed=args.seed,  # one terrain for all
                     performance_mode=args.performance_mode)  # make_env applies it to Genesis only
@@ -703,7 +689,7 @@ def main(args: Args) -> pathlib.Path:
                           f"reward {scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
                           f"{1000 * gt_err_m:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets "
                           f"{nan_resets:.0f}")
-    return run_dir / "teacher.pt"
+    return pathlib.Path(args.run_dir) / "teacher.pt"
 
 
 if __name__ == "__main__":
