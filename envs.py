@@ -637,7 +637,7 @@ class TrackingEnv:
         self.obs_layout: dict[str, list[int]] = {}
         # one reference window per step: t-7..t (student past), t+1..t+2 (student future) / t+1..t+8 (teacher)
         self.window_steps = torch.arange(1 - self.STUDENT_PAST, self.FUTURE_STEPS + 1, device=dev)
-        self.gen = torch.Generator(device=dev)
+        self.gen = torch.Generator(device=dev)  # every draw: clips, starts, psi, pushes, tiles, noise (checkpointed)
         self._seed(seed)
 
     def _seed(self, seed: int):
@@ -649,13 +649,6 @@ class TrackingEnv:
 
     def close(self):
         self.sim.close()
-
-    def get_rng_state(self) -> dict[str, torch.Tensor]:
-        """The env's random stream (clips, start times, psi, pushes, tiles, noise): saved with a checkpoint."""
-        return {"gen": self.gen.get_state()}
-
-    def set_rng_state(self, state: dict[str, torch.Tensor]):
-        self.gen.set_state(state["gen"])
 
     # --- reference ------------------------------------------------------------------------------------------------
     def tick(self) -> torch.Tensor:

@@ -387,14 +387,6 @@ def _fps(path: pathlib.Path, value, flag_fps: float | None) -> float:
     return fps
 
 
-def _manifest_fps(path: pathlib.Path) -> float | None:
-    """G1 Moves ships manifest.json with each clip's fps: use it when a parent folder has one."""
-    manifest = next((d / "manifest.json" for d in list(path.parents)[:3] if (d / "manifest.json").exists()), None)
-    with contextlib.suppress(AttributeError, KeyError, ValueError, TypeError):
-        return float(json.loads(manifest.read_text())["clips"][path.stem]["fps"])
-    return None
-
-
 def _robot_motion(path: pathlib.Path, name: str, fps: float, root_pos, root_quat_wxyz, dof, allow_23dof: bool
                   ) -> RobotMotion:
     """The common tail of the robot loaders: float64 arrays, 23-DoF data mapped to 29 (wrists 0) when allowed."""
@@ -418,7 +410,11 @@ def load_g1_csv(path: pathlib.Path, fps: float | None = None, allow_23dof: bool 
     if data.shape[1] not in (36, 30):
         raise InputError(path, f"wrong column count {data.shape[1]}: expected 36 (root xyz, quat xyzw, 29 joints) or "
                                 f"30 (23 joints)")
-    fps = _fps(path, _manifest_fps(path), fps)  # G1 Moves' manifest first; --fps for CSVs without one
+    manifest_fps = None  # G1 Moves ships manifest.json (in a parent folder) with each clip's fps; else --fps
+    manifest = next((d / "manifest.json" for d in list(path.parents)[:3] if (d / "manifest.json").exists()), None)
+    with contextlib.suppress(AttributeError, KeyError, ValueError, TypeError):
+        manifest_fps = float(json.loads(manifest.read_text())["clips"][path.stem]["fps"])
+    fps = _fps(path, manifest_fps, fps)
     return [_robot_motion(path, path.stem, fps, data[:, :3], data[:, [6, 3, 4, 5]], data[:, 7:], allow_23dof)]
 
 
@@ -704,27 +700,22 @@ PACKET_KEYS = ("fps", "body_names", "dof_names", "body_pos_w", "body_rotmat_w", 
 HUMAN_KEYS = ("fps", "kind", "keypoint_names", "keypoints_w", "root_pos_w", "root_quat_w", "text", "source", "license")
 
 
-def angular_velocity(quat: torch.Tensor, dt_s: float) -> torch.Tensor:
-    """World-frame angular velocity [T,...,3] of rotations quat [T,...,4]: central differences
-    log(q_{t+1} q_{t-1}^-1) / 2dt inside, one-sided at the two ends (T >= 2)."""
-    ends = quat_to_rotvec(quat_mul(quat[1:], quat_conj(quat[:-1]))) / dt_s  # [T-1]: forward differences
-    inner = quat_to_rotvec(quat_mul(quat[2:], quat_conj(quat[:-2]))) / (2 * dt_s)
-    return torch.cat((ends[:1], inner, ends[-1:]), dim=0)
-
-
 def robot_packet(kin: G1Kinematics, root_pos: np.ndarray, root_quat: np.ndarray, dof_pos: np.ndarray,
                  fps: float = FPS) -> dict[str, np.ndarray]:
     """FK + velocities for a [T] motion (T >= 2) -> packet arrays (float32; metadata is added by the caller)."""
-    f32 = dict(dtype=torch.float32)
+    f32, dt_s = dict(dtype=torch.float32), 1.0 / fps
     rp, rq, q = torch.tensor(root_pos, **f32), torch.tensor(root_quat, **f32), torch.tensor(dof_pos, **f32)
     with torch.no_grad():
         body_pos, body_quat = kin.forward(rp, rq, q)
-        lin_vel = torch.gradient(body_pos, spacing=1.0 / fps, dim=0)[0]
-        ang_vel = angular_velocity(body_quat, 1.0 / fps)
+        lin_vel = torch.gradient(body_pos, spacing=dt_s, dim=0)[0]
+        # world angular velocity: central differences log(q_t+1 q_t-1^-1) / 2dt inside, one-sided at the two ends
+        ends = quat_to_rotvec(quat_mul(body_quat[1:], quat_conj(body_quat[:-1]))) / dt_s
+        inner = quat_to_rotvec(quat_mul(body_quat[2:], quat_conj(body_quat[:-2]))) / (2 * dt_s)
+        ang_vel = torch.cat((ends[:1], inner, ends[-1:]), dim=0)
         packet = dict(body_pos_w=body_pos, body_rotmat_w=quat_to_rotmat(body_quat), body_quat_w=body_quat,
                       body_lin_vel_w=lin_vel, body_ang_vel_w=ang_vel, local_rot=kin.local_rot(q),
                       root_lin_vel_w=lin_vel[:, 0], root_ang_vel_w=ang_vel[:, 0], dof_pos=q,
-                      dof_vel=torch.gradient(q, spacing=1.0 / fps, dim=0)[0])
+                      dof_vel=torch.gradient(q, spacing=dt_s, dim=0)[0])
     return {k: v.numpy() for k, v in packet.items()}
 
 

@@ -50,8 +50,8 @@ import envs
 import ssjr
 import teacher
 from ssjr import InputError
-from teacher import (all_reduce_grads, broadcast_from_rank0, build_env, check_layout, checkpoint_args, dist,
-                     load_checkpoint, restore, run_session, saved_rng, start_run)
+from teacher import (all_reduce_grads, broadcast_from_rank0, build_env, check_layout, dist, load_checkpoint, restore,
+                     run_session, start_run)
 
 
 @dataclass
@@ -198,7 +198,7 @@ def student_env_cfg(args: Args, teacher_ckpt: dict) -> dict:
 def load_policy(path, device="cpu"):
     """(student policy in eval mode with act(obs) -> alpha [N, 29], checkpoint dict) for evaluation and export."""
     ckpt = load_checkpoint(path, "student")
-    policy = StudentPolicy(ckpt["obs_layout"], checkpoint_args(path, ckpt, Args)).to(device)
+    policy = StudentPolicy(ckpt["obs_layout"], Args(**ckpt["args"])).to(device)
     policy.load_state_dict(ckpt["model"])
     return policy.eval(), ckpt
 
@@ -217,7 +217,8 @@ def train(args: Args, env=None) -> pathlib.Path:
     if own_env:
         env = build_env(env_cfg, args.num_envs, device, args.seed + rank, terrain_seed=args.seed,  # one terrain
                         performance_mode=args.performance_mode)  # make_env applies it to Genesis only
-    rng = saved_rng(resume, env, device, rank)
+    if resume is not None and resume["rng"] is not None:  # this rank's env stream, before the first reset
+        env.gen.set_state(resume["rng"]["env"]["gen"])
     obs = env.reset()
     layout = env.obs_layout
     check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
@@ -229,7 +230,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     global_step, iteration = 0, 0
     if resume is not None:
         check_layout(args.resume, resume["obs_layout"], layout, STUDENT_OBS)
-        global_step, iteration = restore(resume, args.resume, policy, {"optimizer": optimizer}, rng, device, rank)
+        global_step, iteration = restore(resume, args.resume, policy, {"optimizer": optimizer}, device, rank)
     else:
         policy.alpha_0.copy_(env.motions.mean_dof_pos)
         if args.hcdr in ("teacher", "finetune"):

@@ -302,14 +302,6 @@ def load_checkpoint(path, kind: str | tuple[str, ...] = ("teacher", "student")) 
     return ckpt
 
 
-def checkpoint_args(path, ckpt: dict, cls):
-    """The checkpoint's settings as `cls` (teacher or student Args)."""
-    unknown = sorted(set(ckpt["args"]) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-        raise InputError(path, f"settings {unknown} are unknown to this {cls.__module__}.py (another version wrote it)")
-    return cls(**ckpt["args"])
-
-
 def check_layout(path, expected: dict, found: dict, keys):
     """A checkpoint is only valid for the observation layout it was trained on."""
     for k in keys:
@@ -318,24 +310,13 @@ def check_layout(path, expected: dict, found: dict, keys):
                                    f"env gives {found.get(k)} (different env version or settings)")
 
 
-def saved_rng(resume: dict | None, env, device, rank: int) -> dict | None:
-    """--resume: this rank's saved random streams; the env's are set here (before its first reset), the learner's by
-    restore(). None (fresh seed + rank streams) if the checkpoint has none for this rank (it was written by fewer
-    ranks) or was written on another device type (whose generators differ)."""
-    same_device = resume is not None and torch.device(resume["args"]["device"]).type == device.type
-    states = resume["rng"] if same_device else []
-    if rank < len(states):
-        env.set_rng_state(states[rank]["env"])
-        return states[rank]
-
-
-def restore(resume: dict, path, model: nn.Module, optimizers: dict, rng: dict | None, device, rank: int):
+def restore(resume: dict, path, model: nn.Module, optimizers: dict, device, rank: int):
     """--resume: the weights, the optimizer states ({checkpoint key: optimizer}) and this rank's learner random
-    streams; returns (global_step, iteration)."""
+    streams (the env's were set before its first reset); returns (global_step, iteration)."""
     model.load_state_dict(resume["model"])
     for key, optimizer in optimizers.items():
         optimizer.load_state_dict(resume[key])
-    if rng is not None:
+    if (rng := resume["rng"]) is not None:
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
@@ -373,7 +354,7 @@ def build_env(cfg: dict, num_envs: int, device, seed: int, **overrides):
 def load_policy(path, device="cpu"):
     """(teacher Agent in eval mode, checkpoint dict) for evaluation and distillation."""
     ckpt = load_checkpoint(path, "teacher")
-    agent = Agent(ckpt["obs_layout"], checkpoint_args(path, ckpt, Args)).to(device)
+    agent = Agent(ckpt["obs_layout"], Args(**ckpt["args"])).to(device)
     agent.load_state_dict(ckpt["model"])
     return agent.eval(), ckpt
 
@@ -438,7 +419,11 @@ def start_run(args, kind: str):
     torch.manual_seed(args.seed + rank)
     resume = load_checkpoint(args.resume, kind) if args.resume else None
     if resume is not None:  # the checkpoint fixes the env and the model; the run goes on in its folder
-        args = dataclasses.replace(checkpoint_args(args.resume, resume, type(args)), resume=args.resume,
+        # resume["rng"] := this rank's saved streams; None (fresh seed + rank streams) if fewer ranks wrote it or it
+        # was written on another device type (whose generators differ)
+        states = resume["rng"] if torch.device(resume["args"]["device"]).type == device.type else []
+        resume["rng"] = states[rank] if rank < len(states) else None
+        args = dataclasses.replace(type(args)(**resume["args"]), resume=args.resume,
                                    run_dir=str(pathlib.Path(args.resume).parent),
                                    total_env_steps=args.total_env_steps, device=args.device, amp=args.amp)
     return args, resume, device, rank, world
@@ -467,7 +452,7 @@ def run_session(args, kind: str, state, model: nn.Module, env, device, rank: int
 
     def rng_states() -> list[dict]:  # every rank's learner (sampling, minibatch order) and env streams, in rank order
         states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                  "env": env.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(device)}
+                  "env": {"gen": env.gen.get_state()}, **({"cuda": torch.cuda.get_rng_state(device)}
                                                   if device.type == "cuda" else {})}
         out = [states] * world
         if world > 1:
@@ -548,7 +533,8 @@ def main(args: Args) -> pathlib.Path:
     env_cfg = {**env_kwargs(args), "motions": robot_motions(args.motions)}  # what the student distils on, too
     env = build_env(env_cfg, args.num_envs, device, args.seed + rank, terrain_seed=args.seed,  # one terrain for all
                     performance_mode=args.performance_mode)  # make_env applies it to Genesis only
-    rng = saved_rng(resume, env, device, rank)
+    if resume is not None and resume["rng"] is not None:  # this rank's env stream, before the first reset
+        env.gen.set_state(resume["rng"]["env"]["gen"])
     obs = env.reset()
     layout = env.obs_layout
     agent = Agent(layout, args).to(device)
@@ -558,8 +544,8 @@ def main(args: Args) -> pathlib.Path:
     global_step, iteration = 0, 0
     if resume is not None:
         check_layout(args.resume, resume["obs_layout"], layout, TEACHER_OBS)
-        global_step, iteration = restore(resume, args.resume, agent, {"actor_opt": actor_opt, "critic_opt": critic_opt},
-                                         rng, device, rank)
+        global_step, iteration = restore(resume, args.resume, agent, dict(actor_opt=actor_opt, critic_opt=critic_opt),
+                                         device, rank)
     broadcast_from_rank0(agent, world)
     state = lambda: {"args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
                      "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),

@@ -66,11 +66,5 @@ class FakeEnv:
                 "reward_terms": {k: torch.rand(n) for k in self.reward_terms}, "time_out": done & (alpha[:, 0] > 0)}
         return self._obs(), torch.rand(n, generator=self.gen), done, info
 
-    def get_rng_state(self):
-        return {"gen": self.gen.get_state()}
-
-    def set_rng_state(self, state):
-        self.gen.set_state(state["gen"])
-
     def close(self):
         pass

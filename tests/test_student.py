@@ -62,7 +62,8 @@ def make_student_ckpt(path, args=CPU) -> tuple[pathlib.Path, student.StudentPoli
     policy.alpha_0.normal_(0.0, 0.3)
     torch.save({
         "kind": "student", "args": dataclasses.asdict(args), "obs_layout": LAYOUT, "model": policy.state_dict(),
-        "env_cfg": {"sim": "genesis", "motions": "x.npz", "terrain": "flat", "dr": "default"}, "global_step": 7}, path)
+        "env_cfg": {"sim": "genesis", "motions": "x.npz", "terrain": "flat", "dr": "default"}, "global_step": 7,
+        "rng": []}, path)
     return pathlib.Path(path), policy.eval()
 
 
