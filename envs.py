@@ -142,8 +142,7 @@ def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str,
     return psi
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Terrain: one heightfield of square tiles shared by all envs; each env spawns on a tile drawn from the mix.
+# --- Terrain: one heightfield of square tiles shared by all envs; each env spawns on a tile drawn from the mix.
 TERRAIN_TYPES = ("flat", "smooth_slope", "rough_slope")
 TERRAIN_MIX = {"flat": 0.5, "smooth_slope": 0.25, "rough_slope": 0.25}  # paper's training mix
 
@@ -205,8 +204,7 @@ SCAN_XY_M = torch.stack(torch.meshgrid(torch.linspace(-0.5, 0.5, 11), torch.lins
                                        indexing="ij"), -1).reshape(-1, 2)  # g_t sample points in the heading frame
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Motion library: SSJR packets (30 fps), resampled once to the 50 Hz control ticks the env reads.
+# --- Motion library: SSJR packets (30 fps), resampled once to the 50 Hz control ticks the env reads.
 PACKET_FIELDS = {"body_pos": "body_pos_w", "body_quat": "body_quat_w", "body_lin_vel": "body_lin_vel_w",
                  "body_ang_vel": "body_ang_vel_w", "dof_pos": "dof_pos", "dof_vel": "dof_vel"}  # MotionLib: packet key
 
@@ -274,8 +272,7 @@ def resolve_motions(motions) -> list[pathlib.Path]:
     return [path]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Engine adapters: step physics with given joint torques, read and write state. Nothing task-specific.
+# --- Engine adapters: step physics with given joint torques, read and write state. Nothing task-specific.
 class GenesisSim:
     """Genesis (gs.Scene + the G1 MJCF entity). CPU here, CUDA where available; every DR term batched per env."""
 
@@ -597,8 +594,7 @@ class IsaacLabSim:
         self._tmp.cleanup()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The tracking task, written once for both engines.
+# --- The tracking task, written once for both engines.
 def shift_in(stack: torch.Tensor, new) -> torch.Tensor:
     """A per-env stack [N, T, ...], oldest first, moved one step on: `new` [N, ...] becomes its last entry."""
     stack = torch.roll(stack, -1, 1)
@@ -899,8 +895,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     return TrackingEnv(engine, motion_lib, ground, dr, seed, start)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Benchmark: our env vs the raw engine stepping the same scene (same adapter, same N, same run).
+# --- Benchmark: our env vs the raw engine stepping the same scene (same adapter, same N, same run).
 @dataclass
 class Bench:
     """python envs.py bench --sim genesis --num-envs 64"""
@@ -925,9 +920,8 @@ class Bench:
 
 
 def bench(args: Bench) -> None:
-    """Print env-steps/s of our env and of the raw engine on the same scene, measured two ways: (a) the time spent in
-    the engine's physics step during our env's steps (ours/raw = the share of wall time that is physics); (b) the
-    engine alone holding the reset pose with the same PD (a contact-light ceiling). With DR, also the share of step
+    """Print env-steps/s of our env and of the raw engine on the same scene (the time spent in the engine's physics
+    step during our env's steps: ours/raw = the share of wall time that is physics). With DR, also the share of step
     time the DR writes take when one env resets before every step (as at 4096 envs)."""
     torch.set_num_threads(args.torch_threads)
     t0 = time.time()
@@ -962,22 +956,15 @@ def bench(args: Bench) -> None:
         del env._write_psi
         return 100 * (1 - with_writes / without)
 
-    def raw_hold():
-        for _ in range(DECIMATION):
-            q, qd = sim.dof_state()
-            sim.step((env.kp * (q_hold - q) - env.kd * qd).clamp(-env.effort_limit_nm, env.effort_limit_nm))
-
     sim.step = timed_engine_step
     ours = rate(env_step)
     raw_same = n * args.steps / physics_s[0]
     sim.step = engine_step
     dr_pct = (dr_reset_pct(False), dr_reset_pct(True)) if args.dr else None
-    q_hold = sim.dof_state()[0].clone()
-    hold = rate(raw_hold)
     env.close()
     print(f"{args.sim} ({args.device}), {n} envs, terrain {args.terrain}, DR {'on' if args.dr else 'off'}: "
           f"HoRD env {ours:,.0f} env-steps/s | raw engine, same scene {raw_same:,.0f} | ratio {ours / raw_same:.2f} "
-          f"| raw engine holding a pose {hold:,.0f} (build {build_s:.0f} s)")
+          f"(build {build_s:.0f} s)")
     if dr_pct:
         print(f"DR resets: {dr_pct[0]:.0f} % of step time (one env reset per step; with DR.body_psi_per_episode: "
               f"{dr_pct[1]:.0f} %)")

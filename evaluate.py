@@ -41,7 +41,7 @@ recorded right after every env.step() (the states the env judged). Per episode o
 Aggregation: the mean over the episodes of each (checkpoint, setting, seed), then mean ± std (ddof 1) over seeds; a
 blown-up episode fails and its errors are left out of the means. Push recovery (+dr): the success rate of the episodes
 pushed at least once. Significance: scipy.stats.ttest_rel of each checkpoint against the first, p < --alpha flagged `*`.
-Outputs in --out-dir: table.md, episodes.csv (one row per episode), summary.json, plots/*.png. Videos of a motion:
+Outputs in --out-dir: table.md, episodes.csv (one row per episode), summary.json. Pictures of a motion:
 `python ssjr.py show <packet>`.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Args:
     max_steps: int = 0
     """stop each rollout after this many control steps, recording unfinished episodes as truncated (0 = no cap)"""
     out_dir: str = "results/eval"
-    """where table.md, episodes.csv, summary.json and plots go"""
+    """where table.md, episodes.csv and summary.json go"""
     alpha: float = 0.01
     """significance level of the paired t-tests"""
 
@@ -221,7 +221,7 @@ def ttest_rows(rows: list[dict], labels: list[str], settings: list[str], alpha: 
     return out
 
 
-# --- 3. Reports: markdown tables, CSV, JSON, plots (every file through ssjr.write_atomic). ---
+# --- 3. Reports: markdown tables, CSV, JSON (every file through ssjr.write_atomic). ---
 def _cell(rows: list[dict], metric: str) -> str:
     """mean ± std over seeds (mean alone for one seed)."""
     mean, std, n = seed_stats(rows, metric)
@@ -242,14 +242,6 @@ def table1_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
     body = [[label] + [_cell(by.get((label, s.name), []), m) + (" *" if star(label, s.name, m) else "")
                        for s in settings for m, _ in columns] for label in labels]
     return _md(["Method"] + [f"{s.title} {name}" for s in settings for _, name in columns], body)
-
-
-def metrics_markdown(rows: list[dict], labels: list[str], setting: Setting) -> str:
-    """Paper App. Table 'comprehensive metrics': one row per metric, one column per checkpoint."""
-    by = group(rows, "label", "setting")
-    body = [[(m + " (%)" if m in PERCENT else m) + (" ↓" if m in LOWER_IS_BETTER else " ↑")]
-            + [_cell(by.get((label, setting.name), []), m) for label in labels] for m in ALL_METRICS]
-    return _md(["Metric"] + labels, body)
 
 
 def per_motion_markdown(rows: list[dict], labels: list[str], setting: Setting, motions: list[str],
@@ -281,10 +273,8 @@ def _counts(rows: list[dict]) -> str:
             f"{len({r['seed'] for r in rows})} seed(s), {len(eps)} episodes per checkpoint and setting{cut}")
 
 
-def push_note() -> str:
-    dr = envs.DR()
-    return (f"+DR: dynamics psi and sensor noise (envs.DR) on every checkpoint; pushes: a root-velocity kick of up to "
-            f"{dr.push_vel_mps} m/s every U{list(dr.push_interval_s)} s of episode time.\n\n")
+PUSH_NOTE = (f"+DR: dynamics psi and sensor noise (envs.DR) on every checkpoint; pushes: a root-velocity kick of up "
+             f"to {envs.DR().push_vel_mps} m/s every U{list(envs.DR().push_interval_s)} s of episode time.\n\n")
 
 
 def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
@@ -307,8 +297,11 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
             terrain = [s for s in flat if any((s.sim, s.dr) == (t.sim, t.dr) for t in sloped)] + sloped
             parts.append("## Terrain\n\n" + table1_markdown(robot, labels, terrain, alpha))
         if with_dr:
-            parts.append("## Push recovery\n\n" + push_note() + push_markdown(robot, labels, with_dr))
-        parts += [f"## All metrics: {s.title}\n\n" + metrics_markdown(robot, labels, s) for s in settings]
+            parts.append("## Push recovery\n\n" + PUSH_NOTE + push_markdown(robot, labels, with_dr))
+        by = group(robot, "label", "setting")  # the paper's App. table 'comprehensive metrics'
+        parts += [f"## All metrics: {s.title}\n\n" + _md(["Metric"] + labels, [
+            [(m + " (%)" if m in PERCENT else m) + (" ↓" if m in LOWER_IS_BETTER else " ↑")]
+            + [_cell(by.get((label, s.name), []), m) for label in labels] for m in ALL_METRICS]) for s in settings]
         motions = list(dict.fromkeys(r["motion"] for r in robot))
         parts += [f"## Per motion: {s.title}\n\n" + per_motion_markdown(robot, labels, s, motions) for s in settings]
     if human:
@@ -316,7 +309,7 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
                      f"so these are scored by the keypoint error and the falls instead of the full-body metrics.\n\n"
                      + table1_markdown(human, labels, settings, alpha, KEYPOINT_TABLE))
         if with_dr:
-            parts.append("## Push recovery: human keypoint commands\n\n" + push_note()
+            parts.append("## Push recovery: human keypoint commands\n\n" + PUSH_NOTE
                          + push_markdown(human, labels, with_dr, "fell", "falls of pushed episodes (%)↓"))
         commands = list(dict.fromkeys(r["motion"] for r in human))
         parts += [f"## Per command: {s.title}\n\n" + per_motion_markdown(human, labels, s, commands, KEYPOINT_TABLE)
@@ -330,27 +323,9 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
     return "\n".join(parts)
 
 
-def plot_rates(path, rows: list[dict], labels: list[str], settings: list[Setting], metric: str):
-    """Grouped bars of a rate (success or falls, %) per setting and checkpoint (error bars: std over seeds)."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(max(6.0, 1.2 * len(settings) * len(labels)), 4))
-    ax = fig.subplots()
-    x, width, by = np.arange(len(settings)), 0.8 / len(labels), group(rows, "label", "setting")
-    for j, label in enumerate(labels):
-        s = [seed_stats(by.get((label, setting.name), []), metric) for setting in settings]
-        ax.bar(x + (j - (len(labels) - 1) / 2) * width, [m for m, _, _ in s], width, yerr=[sd for _, sd, _ in s],
-               label=label, capsize=2)
-    ax.set_xticks(x, [setting.title for setting in settings], rotation=20, ha="right")
-    ax.set(ylabel=dict(TABLE1_METRICS + KEYPOINT_TABLE)[metric], ylim=(0, 105))
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    ssjr.write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
-
-
 def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
                   notes: tuple[str, ...] = ()) -> dict:
-    """table.md, episodes.csv, summary.json and plots into out_dir; prints the report, returns the summary."""
+    """table.md, episodes.csv and summary.json into out_dir; prints the report, returns the summary."""
     out = pathlib.Path(out_dir)
     report = report_markdown(rows, labels, settings, alpha, notes)
     ssjr.write_atomic(out / "table.md", lambda tmp: tmp.write_text(report))
@@ -372,10 +347,6 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
                "ttests": ttest_rows(rows, labels, [s.name for s in settings], alpha) if len(labels) > 1 else []}
     strict = json.loads(json.dumps(summary), parse_constant=lambda _: None)  # NaN, inf -> null (strict JSON)
     ssjr.write_atomic(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(strict, indent=1, allow_nan=False)))
-    for command, metric, png in ((ROBOT, "success", "success_vs_setting.png"),
-                                 (HUMAN_KEYPOINTS, "fell", "keypoint_commands_falls_vs_setting.png")):
-        if sel := [r for r in rows if r["command"] == command]:
-            plot_rates(out / "plots" / png, sel, labels, settings, metric)
     print(report)
     return summary
 
@@ -473,8 +444,6 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]
         clip, episode = plan[i][k[i]]
         window = steps[start[i] - base:end - base]
         col = lambda key: torch.stack([s[key][i] for s in window])  # noqa: E731
-        if not bool((col("clip") == clip).all()):
-            raise RuntimeError(f"env {i} did not play clip {clip}: the plan needs start='frame0' (clips i, i+N, ...)")
         last = window[-1]
         return {"clip": clip, "episode": episode, "steps": len(window), "truncated": truncated,
                 "failed": bool(last["failed"][i]), "time_out": bool(last["time_out"][i]), "nan": bool(last["nan"][i]),

@@ -71,8 +71,7 @@ def g1_mjcf_path() -> pathlib.Path:
     return xml
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 1. The SSJR sparse joint set J: bodies whose origins a human mocap also measures well. torso_link is left out: its
+# --- 1. The SSJR sparse joint set J: bodies whose origins a human mocap also measures well. torso_link is left out: its
 #    origin sits 4.4 cm above the pelvis, while the two shoulders fix the torso's lean and twist.
 KEYPOINT_NAMES = ("pelvis", "left_knee_link", "right_knee_link", "left_ankle_roll_link", "right_ankle_roll_link",
                   "left_shoulder_roll_link", "right_shoulder_roll_link", "left_elbow_link", "right_elbow_link",
@@ -85,8 +84,7 @@ BODY_PARENTS = (-1, 0, 1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11, 0, 13, 14, 15, 16, 17,
 KEYPOINT_EDGES = ((0, 1), (1, 3), (0, 2), (2, 4), (0, 5), (0, 6), (5, 6), (5, 7), (7, 9), (6, 8), (8, 10))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 2. Rotation math. Quaternions are wxyz, unit, torch, any leading dims; rotation matrices act on column vectors.
+# --- 2. Rotation math. Quaternions are wxyz, unit, torch, any leading dims; rotation matrices act on column vectors.
 def quat_normalize(q: torch.Tensor) -> torch.Tensor:
     """q / |q|."""
     return q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
@@ -199,8 +197,7 @@ def root_relative(points_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w:
     return rotate_z(points_w - root_pos_w[..., None, :], -yaw_rad(root_quat_w)[..., None])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 3. Forward kinematics straight from the MJCF tree (no physics engine): world pose of body i = parent pose * offset
+# --- 3. Forward kinematics straight from the MJCF tree (no physics engine): world pose of body i = parent pose * offset
 #    (pos, quat in the parent frame) * rotation about its hinge axis (the pinned G1 MJCF: hinges at the body origins).
 def _mjcf_defaults(root: ET.Element) -> dict[str, dict[str, dict[str, str]]]:
     """class name -> tag -> attributes, with nested <default> classes inheriting from their parent class."""
@@ -298,8 +295,7 @@ class G1Kinematics:
         return (ends[..., 2] - self.geom_radius[:, None]).amin(dim=(-1, -2))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 4. SSJR command Y_t (the one place it is computed: env, evaluate, ONNX export): the command's keypoints over the
+# --- 4. SSJR command Y_t (the one place it is computed: env, evaluate, ONNX export): the command's keypoints over the
 #    window t-7..t+2 in the heading frame of the ROBOT's root at t, so root drift is observable and corrected; the
 #    price is that deployment needs a root pose estimate (odometry or mocap, yaw from the IMU) in the command's frame.
 def keypoint_command(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> torch.Tensor:
@@ -310,8 +306,7 @@ def keypoint_command(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_q
     return rel.reshape(keypoints_w.shape[:-2] + (-1,))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 5. Loading: every loader turns one file into RobotMotion or HumanMotion clips (source frame rate, z-up, metres).
+# --- 5. Loading: every loader turns one file into RobotMotion or HumanMotion clips (source frame rate, z-up, metres).
 class InputError(ValueError):
     """A user's mistake: a bad file, folder, flag or checkpoint; str(e) is one line: '<path or flag>: <problem>'.
     Every script prints it as `error: <str(e)>` and exits 1 (any other exception is a bug and keeps its traceback)."""
@@ -614,8 +609,7 @@ def load_motions(path: pathlib.Path, fmt: str = "auto", fps: float | None = None
         raise InputError(path, f"cannot read as {fmt} ({type(e).__name__}: {e})") from None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 6. Cleaning (at the source rate), resampling to 30 fps, segmentation into 2-10 s clips.
+# --- 6. Cleaning (at the source rate), resampling to 30 fps, segmentation into 2-10 s clips.
 def clean_quaternions(path: str, quat: np.ndarray, tol: float = 1e-2) -> np.ndarray:
     """Reject zero / clearly non-unit quaternions, renormalize the rest, flip signs so q_t . q_{t-1} >= 0."""
     norm = np.linalg.norm(quat, axis=-1)
@@ -691,8 +685,7 @@ def segment_bounds(n: int, fps: float, min_s: float = 2.0, max_s: float = 10.0, 
     return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 7. The SSJR packet: FK of the cleaned 30 fps motion, finite-difference velocities, sparse keypoints.
+# --- 7. The SSJR packet: FK of the cleaned 30 fps motion, finite-difference velocities, sparse keypoints.
 FPS = 30.0
 PACKET_KEYS = ("fps", "body_names", "dof_names", "body_pos_w", "body_rotmat_w", "body_quat_w", "body_lin_vel_w",
                "body_ang_vel_w", "local_rot", "root_lin_vel_w", "root_ang_vel_w", "dof_pos", "dof_vel",
@@ -823,8 +816,7 @@ def load_packet(path: str | os.PathLike) -> dict:
     return {**{k: plain(v) for k, v in raw.items()}, "kind": kind}
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 8. The conversion pipeline: load -> clean -> resample -> segment -> FK -> checks -> packets, with a summary.
+# --- 8. The conversion pipeline: load -> clean -> resample -> segment -> FK -> checks -> packets, with a summary.
 @dataclass
 class Convert:
     """Convert motion files (or folders of them) into SSJR packets / human keypoint commands."""
@@ -996,8 +988,7 @@ def train_test_split(packet_paths) -> tuple[list, list]:
     return [p for p, t in zip(paths, test) if not t], [p for p, t in zip(paths, test) if t]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 9. Looking at a motion: a strip of skeleton frames (.png) or an animation (.mp4 / .gif), z-up, equal axes.
+# --- 9. Looking at a motion: a strip of skeleton frames (.png) or an animation (.mp4 / .gif), z-up, equal axes.
 def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
                   extra_points: np.ndarray | None = None, title: str = "") -> pathlib.Path:
     """Draw body_pos [T,B,3] (lines along the G1 tree when B = 30, along KEYPOINT_EDGES when B = J) with
@@ -1011,17 +1002,15 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
     if out_path.suffix.lower() not in (".png", ".mp4", ".gif"):
         raise InputError(out_path, "render to .png, .mp4 or .gif")
     pos = np.asarray(body_pos, dtype=np.float64)
-    edges, names = {len(BODY_NAMES): ([(p, i) for i, p in enumerate(BODY_PARENTS) if p >= 0], BODY_NAMES),
-                    len(KEYPOINT_NAMES): (KEYPOINT_EDGES, KEYPOINT_NAMES)}.get(pos.shape[1], ((), ()))
-    colors = ["tab:blue" if names[b].startswith("left") else "tab:red" if names[b].startswith("right") else "0.25"
-              for _, b in edges]
+    edges = {len(BODY_NAMES): [(p, i) for i, p in enumerate(BODY_PARENTS) if p >= 0],
+             len(KEYPOINT_NAMES): KEYPOINT_EDGES}.get(pos.shape[1], ())
     every = pos if extra_points is None else np.concatenate((pos, extra_points), axis=1)
     half = max(0.5, np.abs(every[..., :2] - pos[:, :1, :2]).max() + 0.05, 0.5 * every[..., 2].max() + 0.05)
 
     def draw(ax, t: int) -> None:
         ax.cla()
-        for (a, b), color in zip(edges, colors):
-            ax.plot(*pos[t, [a, b]].T, color=color, lw=2.5, solid_capstyle="round")
+        for a, b in edges:
+            ax.plot(*pos[t, [a, b]].T, color="tab:blue", lw=2.5, solid_capstyle="round")
         ax.scatter(*pos[t].T, s=5, color="0.2", depthshade=False)
         if extra_points is not None:
             ax.scatter(*np.asarray(extra_points[t]).T, s=45, color="orange", edgecolors="k", linewidths=0.6,
@@ -1032,13 +1021,12 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
         ax.tick_params(labelsize=6, pad=-3)
         ax.set_title(f"t = {t / fps:.2f} s", fontsize=9, pad=-2)
 
-    legend = "z up, metres; lines: left blue, right red" + ("" if extra_points is None else "; orange: SSJR keypoints")
     png = out_path.suffix.lower() == ".png"
     n = min(8, len(pos)) if png else 1
     cols, rows = min(n, 4), int(np.ceil(n / 4))
     fig = Figure(figsize=(3.3 * cols, 3.5 * rows + 0.6) if png else (5, 5.4))
     FigureCanvasAgg(fig)
-    fig.suptitle(f"{title}\n{legend}" if title else legend, fontsize=9)
+    fig.suptitle(f"{title} (z up, m{'; orange: SSJR keypoints' if extra_points is not None else ''})", fontsize=9)
     fig.subplots_adjust(left=0, right=1, bottom=0.02, top=0.9, wspace=0.05, hspace=0.1)
     axes = [fig.add_subplot(rows, cols, k + 1, projection="3d") for k in range(n)]
     if png:
@@ -1055,8 +1043,7 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
     return out_path
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 10. Command line: convert / show.
+# --- 10. Command line: convert / show.
 def show(packet: tyro.conf.Positional[pathlib.Path], out: pathlib.Path = pathlib.Path("clip.png"),
          start_s: float = 0.0, duration_s: float | None = None) -> str:
     """Draw a packet: a strip of frames (.png) or an animation (.mp4 / .gif).

@@ -198,7 +198,7 @@ def student_env_cfg(args: Args, teacher_ckpt: dict) -> dict:
 def load_policy(path, device="cpu"):
     """(student policy in eval mode with act(obs) -> alpha [N, 29], checkpoint dict) for evaluation and export."""
     ckpt = load_checkpoint(path, "student")
-    policy = StudentPolicy(ckpt["obs_layout"], Args(**ckpt["args"])).to(device)
+    policy = StudentPolicy(ckpt["obs_layout"], teacher.checkpoint_args(path, ckpt, Args)).to(device)
     policy.load_state_dict(ckpt["model"])
     return policy.eval(), ckpt
 

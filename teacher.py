@@ -302,6 +302,13 @@ def load_checkpoint(path, kind: str | tuple[str, ...] = ("teacher", "student")) 
     return ckpt
 
 
+def checkpoint_args(path, ckpt: dict, cls):
+    """The checkpoint's settings as `cls` (teacher or student Args); a checkpoint of another version -> one line."""
+    if unknown := sorted(set(ckpt["args"]) - {f.name for f in dataclasses.fields(cls)}):
+        raise InputError(path, f"settings {unknown} are unknown to this version of {cls.__module__}.py")
+    return cls(**ckpt["args"])
+
+
 def check_layout(path, expected: dict, found: dict, keys):
     """A checkpoint is only valid for the observation layout it was trained on."""
     for k in keys:
@@ -354,7 +361,7 @@ def build_env(cfg: dict, num_envs: int, device, seed: int, **overrides):
 def load_policy(path, device="cpu"):
     """(teacher Agent in eval mode, checkpoint dict) for evaluation and distillation."""
     ckpt = load_checkpoint(path, "teacher")
-    agent = Agent(ckpt["obs_layout"], Args(**ckpt["args"])).to(device)
+    agent = Agent(ckpt["obs_layout"], checkpoint_args(path, ckpt, Args)).to(device)
     agent.load_state_dict(ckpt["model"])
     return agent.eval(), ckpt
 
@@ -423,7 +430,7 @@ def start_run(args, kind: str):
         # was written on another device type (whose generators differ)
         states = resume["rng"] if torch.device(resume["args"]["device"]).type == device.type else []
         resume["rng"] = states[rank] if rank < len(states) else None
-        args = dataclasses.replace(type(args)(**resume["args"]), resume=args.resume,
+        args = dataclasses.replace(checkpoint_args(args.resume, resume, type(args)), resume=args.resume,
                                    run_dir=str(pathlib.Path(args.resume).parent),
                                    total_env_steps=args.total_env_steps, device=args.device, amp=args.amp)
     return args, resume, device, rank, world

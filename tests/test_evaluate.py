@@ -302,8 +302,6 @@ def test_report_csv_and_files(tmp_path):
     assert len(lines) == 1 + len(rows) and lines[0].startswith("label,setting,seed,command,motion,clip,episode,success")
     assert json.loads((tmp_path / "summary.json").read_text())["results"]["HoRD"]["isaaclab"]["success"]["mean"] == 100
     assert summary["ttests"] and all(t["reference"] == "HoRD" for t in summary["ttests"])
-    plots = {p.name for p in (tmp_path / "plots").iterdir()}
-    assert plots == {"success_vs_setting.png"}
     assert not [p for p in tmp_path.rglob(".tmp-*")]
 
 
@@ -325,7 +323,6 @@ def test_keypoint_command_report_shows_keypoint_error_and_falls_only(tmp_path):
     assert {line.split("|")[4].strip() for line in tests.strip().splitlines()[2:]} == {"keypoint_err_mm", "fell"}
     assert summary["results_keypoint_commands"]["w/o HCDR"]["genesis"]["fell"]["mean"] == 50.0
     assert summary["results"]["HoRD"]["genesis"]["g_mpjpe_mm"]["n_seeds"] == 0  # no robot-motion episodes
-    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"keypoint_commands_falls_vs_setting.png"}
 
 
 def test_mixed_robot_and_keypoint_commands_are_reported_apart(tmp_path):
@@ -377,9 +374,9 @@ class ScriptedEnv:
     step 2 of its episodes. Every body of env i is 0.1 * (clip + 1) m above its reference, so the recorded arrays
     identify the clip. reseed/close as envs.TrackingEnv; raise_at_step: step() raises there (an engine error)."""
 
-    def __init__(self, num_envs, lengths, fail_at=None, skip_clip=False, raise_at_step=None):
+    def __init__(self, num_envs, lengths, fail_at=None, raise_at_step=None):
         self.num_envs, self.lengths, self.fail_at = num_envs, lengths, fail_at or {}
-        self.skip_clip, self.raise_at_step = skip_clip, raise_at_step
+        self.raise_at_step = raise_at_step
         self.obs_layout = {"proprio": [5, 3]}
         self.seeds, self.closed, self.steps = [], False, 0
 
@@ -415,7 +412,7 @@ class ScriptedEnv:
                 "pushed": self.t == 2,
                 "psi": {"mass_scale": torch.full((n,), 1.05)}}
         for i in done.nonzero().flatten().tolist():
-            self.clip[i] = (self.clip[i] + n + int(self.skip_clip)) % len(self.lengths)
+            self.clip[i] = (self.clip[i] + n) % len(self.lengths)
             self.t[i] = 0
             self.k[i] += 1
         return {"proprio": torch.zeros(n, 5, 3)}, torch.zeros(n), done, info
@@ -445,14 +442,11 @@ def test_run_episodes_records_each_planned_episode():
     assert {r["steps"] for r in recs if r["failed"]} <= set(expected_steps.values())
 
 
-def test_run_episodes_truncates_at_max_steps_and_checks_the_schedule():
+def test_run_episodes_truncates_at_max_steps():
     env = ScriptedEnv(2, [10, 10, 10])
     recs = list(ev.run_episodes(env, env.reseed(0), ZeroPolicy(), ev.episode_plan(2, 3, 1), max_steps=4))
     assert sorted(r["clip"] for r in recs) == [0, 1] and all(r["truncated"] and r["steps"] == 4 for r in recs)
     assert all(r["pushes"] == 1 for r in recs)
-    env = ScriptedEnv(2, [2, 2, 2], skip_clip=True)
-    with pytest.raises(RuntimeError, match="frame0"):
-        list(ev.run_episodes(env, env.reseed(0), ZeroPolicy(), ev.episode_plan(2, 3, 1)))
 
 
 def test_keypoint_command_metrics():

@@ -85,6 +85,9 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
         teacher.load_checkpoint(other, "teacher")
     with pytest.raises(ValueError, match="layout mismatch for 'future'"):
         teacher.check_layout("t.pt", LAYOUT, {**LAYOUT, "future": [8, 500]}, teacher.TEACHER_OBS)
+    ckpt = {"kind": "teacher", "args": {**dataclasses.asdict(small_args()), "warp_drive": 1}}  # another version's
+    with pytest.raises(ValueError, match=r"newer.pt: settings \['warp_drive'\] are unknown"):
+        teacher.checkpoint_args("newer.pt", ckpt, teacher.Args)
 
 
 def test_minibatch_larger_than_the_rollout_is_refused():
