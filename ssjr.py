@@ -308,12 +308,10 @@ def keypoint_command(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_q
 
 # --- 5. Loading: every loader turns one file into RobotMotion or HumanMotion clips (source frame rate, z-up, metres).
 class InputError(ValueError):
-    """A user's mistake: a bad file, folder, flag or checkpoint; str(e) is one line: '<path or flag>: <problem>'.
-    Every script prints it as `error: <str(e)>` and exits 1 (any other exception is a bug and keeps its traceback)."""
+    """A user's mistake (bad file, flag or checkpoint): every script prints `error: <path or flag>: <problem>`."""
 
     def __init__(self, path: str | os.PathLike, problem: str):
         super().__init__(f"{path}: {problem}")
-        self.path, self.problem = str(path), problem
 
 
 @dataclass

@@ -199,7 +199,7 @@ def load_policy(path, device="cpu"):
     """(student policy in eval mode with act(obs) -> alpha [N, 29], checkpoint dict) for evaluation and export."""
     ckpt = load_checkpoint(path, "student")
     policy = StudentPolicy(ckpt["obs_layout"], teacher.checkpoint_args(path, ckpt, Args)).to(device)
-    policy.load_state_dict(ckpt["model"])
+    teacher.load_weights(path, policy, ckpt["model"])
     return policy.eval(), ckpt
 
 

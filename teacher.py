@@ -299,6 +299,8 @@ def load_checkpoint(path, kind: str | tuple[str, ...] = ("teacher", "student")) 
     found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
     if found not in kinds:
         raise InputError(path, f"expected a {' or '.join(kinds)} checkpoint, found {found!r}")
+    if missing := [k for k in ("args", "obs_layout", "model", "env_cfg") if k not in ckpt]:
+        raise InputError(path, f"{found} checkpoint without {missing} (from another version)")
     return ckpt
 
 
@@ -307,6 +309,13 @@ def checkpoint_args(path, ckpt: dict, cls):
     if unknown := sorted(set(ckpt["args"]) - {f.name for f in dataclasses.fields(cls)}):
         raise InputError(path, f"settings {unknown} are unknown to this version of {cls.__module__}.py")
     return cls(**ckpt["args"])
+
+
+def load_weights(path, module: nn.Module, state: dict):
+    try:  # a checkpoint of another architecture (sizes, keys, optimizer groups) is one line naming the file
+        module.load_state_dict(state)
+    except (RuntimeError, ValueError) as e:
+        raise InputError(path, f"the weights do not fit this version's model ({str(e).strip().splitlines()[-1][:90]})")
 
 
 def check_layout(path, expected: dict, found: dict, keys):
@@ -320,9 +329,9 @@ def check_layout(path, expected: dict, found: dict, keys):
 def restore(resume: dict, path, model: nn.Module, optimizers: dict, device, rank: int):
     """--resume: the weights, the optimizer states ({checkpoint key: optimizer}) and this rank's learner random
     streams (the env's were set before its first reset); returns (global_step, iteration)."""
-    model.load_state_dict(resume["model"])
+    load_weights(path, model, resume["model"])
     for key, optimizer in optimizers.items():
-        optimizer.load_state_dict(resume[key])
+        load_weights(path, optimizer, resume[key])
     if (rng := resume["rng"]) is not None:
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
@@ -362,7 +371,7 @@ def load_policy(path, device="cpu"):
     """(teacher Agent in eval mode, checkpoint dict) for evaluation and distillation."""
     ckpt = load_checkpoint(path, "teacher")
     agent = Agent(ckpt["obs_layout"], checkpoint_args(path, ckpt, Args)).to(device)
-    agent.load_state_dict(ckpt["model"])
+    load_weights(path, agent, ckpt["model"])
     return agent.eval(), ckpt
 
 
@@ -439,15 +448,12 @@ def start_run(args, kind: str):
 @contextlib.contextmanager
 def run_session(args, kind: str, state, model: nn.Module, env, device, rank: int, world: int, global_step: int,
                 iteration: int, curves: dict, png: str):
-    """Around a training loop that starts after `iteration` iterations (`global_step` env-steps). Makes the run folder
-    (--run-dir or runs/{exp_name}_{sim}_{seed}_{time}, rank 0's name on every rank; rank 0 prints the configuration)
-    and yields (stopping, end_iteration):
-    - stopping(): True on every rank once Ctrl-C or torchrun's SIGTERM reached one (all leave the loop together).
-    - end_iteration(global_step, iteration, scalars, line): rank 0 logs `scalars` and the throughput charts/SPS to
-      TensorBoard and prints `line`; every --checkpoint-every iterations rank 0 writes run_dir/{kind}.pt:
-      {'kind', **state(), the counters, the world size, every rank's random streams (for an exact --resume)}.
-    On the way out the last finished iteration is saved (after a crash too, unless the weights went bad) and rank 0
-    plots `curves` ({tag: title}) vs env-steps to run_dir/png, raw and a 20-iteration moving average."""
+    """Around a training loop that starts after `iteration` iterations (`global_step` env-steps): makes the run folder
+    (--run-dir or runs/{exp_name}_{sim}_{seed}_{time}) and yields (stopping, end_iteration). stopping(): True on every
+    rank once Ctrl-C or torchrun's SIGTERM reached one. end_iteration(...): rank 0 logs `scalars` + charts/SPS to
+    TensorBoard, prints `line`, and every --checkpoint-every iterations writes run_dir/{kind}.pt ({'kind', **state(),
+    counters, world size, every rank's random streams}). On the way out the last finished iteration is saved (after a
+    crash too, unless the weights went bad) and rank 0 plots `curves` ({tag: title}) to run_dir/png."""
     from torch.utils.tensorboard import SummaryWriter
     name = [args.run_dir or f"runs/{args.exp_name}_{state()['env_cfg']['sim']}_{args.seed}_{int(time.time())}"]
     if world > 1:

@@ -45,9 +45,8 @@ def bad_files(tmp_path_factory):
     (d / "truncated.pt").write_bytes((d / "ok.pt").read_bytes()[:40])
     torch.save([1, 2, 3], d / "list.pt")
     torch.save({"kind": "student", "args": {}, "obs_layout": {}, "model": {}}, d / "student.pt")
-    torch.save({"kind": "teacher", "args": {}, "obs_layout": {}, "model": {}, "env_cfg": {"sim": "genesis"}},
+    torch.save({"kind": "teacher", "args": {}, "obs_layout": {}, "model": {}, "env_cfg": {"sim": "genesis"}, "rng": []},
                d / "teacher.pt")
-    torch.save({"kind": "teacher", "args": {}, "obs_layout": {}, "model": {}, "env_cfg": {}}, d / "nosim.pt")
     (d / "keypoints").mkdir()
     np.savez(d / "keypoints" / "131_01_seg00.npz", kind=np.array("human_keypoints"))
     return d
@@ -71,7 +70,7 @@ def bad_files(tmp_path_factory):
     (["evaluate.py", "--ckpt", "{d}/truncated.pt"], ["truncated.pt: not a readable"]),
     (["evaluate.py", "--ckpt", "{d}/list.pt"], ["list.pt: expected a teacher or student checkpoint"]),
     (["evaluate.py", "--ckpt", "{d}/teacher.pt", "--settings", "mujoco"], ["--settings", "mujoco"]),
-    (["evaluate.py", "--ckpt", "{d}/nosim.pt"], ["nosim.pt: env_cfg['sim'] = None"]),
+    (["evaluate.py", "--ckpt", "{d}/ok.pt"], ["ok.pt: teacher checkpoint without ['args', 'obs_layout', 'env_cfg'"]),
 ])
 def test_user_errors_are_one_line(bad_files, argv, fragments):
     out, _ = run(*(a.format(d=bad_files) for a in argv))

@@ -212,15 +212,16 @@ def test_bad_flags_and_checkpoints_are_input_errors(tmp_path):
     junk.write_bytes(b"not a checkpoint")
     with pytest.raises(ssjr.InputError, match="junk.pt: not a readable"):
         ev.main(ev.Args(ckpt=(str(junk),)))
-    nosim = tmp_path / "nosim.pt"
-    torch.save({"kind": "student", "args": {}, "obs_layout": {}, "model": {}, "env_cfg": {}}, nosim)
-    with pytest.raises(ssjr.InputError, match=r"nosim.pt: env_cfg\['sim'\] = None"):
-        ev.main(ev.Args(ckpt=(str(nosim),)))
-    for bad in (dict(num_envs=0), dict(episodes=0), dict(seeds=())):  # would never finish / build an empty env
-        with pytest.raises(ssjr.InputError, match="at least 1"):
-            ev.main(ev.Args(ckpt=(str(junk),), **bad))
+    incomplete = tmp_path / "incomplete.pt"
+    torch.save({"kind": "student", "args": {}, "model": {}}, incomplete)
+    with pytest.raises(ssjr.InputError, match=r"incomplete.pt: student checkpoint without \['obs_layout', 'env_cfg'\]"):
+        ev.main(ev.Args(ckpt=(str(incomplete),)))
+    # would never finish / build an empty env / count episodes twice
+    for bad in (dict(num_envs=0), dict(episodes=0), dict(seeds=()), dict(seeds=(0, 0)), dict(ckpt=())):
+        with pytest.raises(ssjr.InputError, match="distinct seeds"):
+            ev.main(ev.Args(**{"ckpt": (str(junk),), **bad}))
     with pytest.raises(ssjr.InputError, match="--labels"):
-        ev.main(ev.Args(ckpt=(str(junk), str(nosim)), labels=("HoRD",)))
+        ev.main(ev.Args(ckpt=(str(junk), str(incomplete)), labels=("HoRD",)))
 
 
 @pytest.mark.parametrize("n, clips, eps", [(8, 8, 1), (8, 8, 2), (3, 8, 2), (16, 8, 2), (5, 7, 3), (1, 4, 1)])
@@ -733,11 +734,13 @@ def tiny_checkpoints(tmp_path_factory, handsup_packets):
         env.close()
     folder = tmp_path_factory.mktemp("ckpt")
     paths = folder / "tiny_teacher.pt", folder / "tiny_student.pt"
-    torch.save({"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": teacher.env_kwargs(args),
+    torch.save({"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": teacher.env_kwargs(args), "rng": [],
                 "obs_layout": layout, "model": teacher.Agent(layout, args).state_dict()}, paths[0])
-    student_args = dataclasses.replace(student.PRESETS["cpu"], teacher_ckpt=str(paths[0]))
+    student_args = dataclasses.replace(student.PRESETS["cpu"], teacher_ckpt=str(paths[0]),
+                                       **{k: getattr(args, k) for k in student.MODEL_SIZES})  # as student.train does
     torch.save({"kind": "student", "args": dataclasses.asdict(student_args), "env_cfg": teacher.env_kwargs(args),
-                "obs_layout": layout, "model": student.StudentPolicy(layout, student_args).state_dict()}, paths[1])
+                "rng": [], "obs_layout": layout, "model": student.StudentPolicy(layout, student_args).state_dict()},
+               paths[1])
     return paths
 
 
