@@ -129,8 +129,8 @@ class StudentPolicy(nn.Module):
         return self(obs)
 
 
-def share_teacher_hcdr(policy: StudentPolicy, teacher_agent, path, frozen: bool):
-    """The student's HCDR (and its history normalizer) := the teacher's; frozen: not trained (m_t is the teacher's)."""
+def share_teacher_hcdr(policy: StudentPolicy, teacher_agent, path):
+    """The student's HCDR (and its history normalizer) := the teacher's (freeze_hcdr keeps them so)."""
     src, dst = teacher_agent.actor, policy.actor
     if src.hcdr is None:
         raise InputError(path, "the teacher has no HCDR to share: use the student's --hcdr scratch or none")
@@ -140,13 +140,12 @@ def share_teacher_hcdr(policy: StudentPolicy, teacher_agent, path, frozen: bool)
         raise InputError(path, "the teacher's HCDR has other sizes than the student's: leave --hcdr-* and --d-model "
                                "at their defaults (the teacher's)") from None
     dst.history_norm.load_state_dict(src.history_norm.state_dict())
-    freeze_hcdr(policy, frozen)
 
 
-def freeze_hcdr(policy: StudentPolicy, frozen: bool):
+def freeze_hcdr(policy: StudentPolicy):
     """A frozen HCDR keeps its weights and its history normalizer (TokenPolicy.update_norms skips it)."""
-    policy.actor.hcdr.requires_grad_(not frozen)
-    policy.actor.history_frozen = frozen
+    policy.actor.hcdr.requires_grad_(False)
+    policy.actor.history_frozen = True
 
 
 def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch.Tensor, args: Args,
@@ -223,8 +222,8 @@ def train(args: Args, env=None) -> pathlib.Path:
     layout = env.obs_layout
     check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
     policy = StudentPolicy(layout, args).to(device)
-    if args.hcdr == "teacher":
-        freeze_hcdr(policy, True)
+    if args.hcdr == "teacher":  # before the optimizer: it gets the trained parameters only
+        freeze_hcdr(policy)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=args.lr, eps=1e-5)
     global_step, iteration = 0, 0
@@ -234,7 +233,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     else:
         policy.alpha_0.copy_(env.motions.mean_dof_pos)
         if args.hcdr in ("teacher", "finetune"):
-            share_teacher_hcdr(policy, teacher_agent, args.teacher_ckpt, frozen=args.hcdr == "teacher")
+            share_teacher_hcdr(policy, teacher_agent, args.teacher_ckpt)
     broadcast_from_rank0(policy, world)
     policy.eval()
     state = lambda: {"args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
@@ -356,10 +355,9 @@ def export(args: Export) -> pathlib.Path:
     layout = ckpt["obs_layout"]
     steps, j3 = layout["student_keypoints"]
     shapes = {"student_proprio": layout["student_proprio"], "keypoints_w": [steps, j3 // 3, 3], "root_pos_w": [3],
-              "root_quat_w": [1.0, 0, 0, 0], "terrain": layout["terrain"], "history": layout["history"],
+              "root_quat_w": [4], "terrain": layout["terrain"], "history": layout["history"],
               "history_mask": layout["history_mask"]}
-    inputs = tuple(torch.tensor([v] * 2) if k == "root_quat_w" else
-                   torch.zeros(2, *v, dtype=torch.bool if k == "history_mask" else torch.float32)
+    inputs = tuple(torch.zeros(2, *v, dtype=torch.bool if k == "history_mask" else torch.float32)
                    for k, v in shapes.items())
     kp, kd, limit = envs.joint_table()
     names = []

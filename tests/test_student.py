@@ -133,23 +133,23 @@ def test_the_student_shares_the_teachers_hcdr(tmp_path):
     agent, _ = student.load_teacher(make_teacher_ckpt(tmp_path / "t.pt"), "cpu")
     agent.actor.history_norm.update(torch.randn(100, 93))
     policy = student.StudentPolicy(LAYOUT, CPU)  # sizes: the teacher's
-    student.share_teacher_hcdr(policy, agent, "t.pt", frozen=True)
+    student.share_teacher_hcdr(policy, agent, "t.pt")
     for k, v in agent.actor.hcdr.state_dict().items():
         assert torch.equal(policy.actor.hcdr.state_dict()[k], v)
     obs = random_obs(8)
     torch.testing.assert_close(policy.actor.hcdr(policy.actor.history_norm(obs["history"]), obs["history_mask"]),
                                agent.actor.hcdr(agent.actor.history_norm(obs["history"]), obs["history_mask"]))
-    # frozen: no gradient and no normalizer update reach it; the rest of the student learns
+    assert all(p.requires_grad for p in policy.actor.hcdr.parameters())  # --hcdr finetune: it trains on
+    # --hcdr teacher, frozen: no gradient and no normalizer update reach it; the rest of the student learns
+    student.freeze_hcdr(policy)
     mean = policy.actor.history_norm.mean.clone()
     policy.actor.update_norms(random_obs(64, seed=4))
     assert torch.equal(policy.actor.history_norm.mean, mean)
     assert not any(p.requires_grad for p in policy.actor.hcdr.parameters())
     assert all(p.requires_grad for p in policy.actor.head.parameters())
-    student.share_teacher_hcdr(policy, agent, "t.pt", frozen=False)  # --hcdr finetune
-    assert all(p.requires_grad for p in policy.actor.hcdr.parameters())
     with pytest.raises(ValueError, match="t.pt: the teacher's HCDR has other sizes"):
         student.share_teacher_hcdr(student.StudentPolicy(LAYOUT, dataclasses.replace(CPU, hcdr_dim=16)), agent,
-                                   "t.pt", frozen=True)
+                                   "t.pt")
 
 
 def deploy_inputs(obs: dict, keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> dict:
