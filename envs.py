@@ -24,7 +24,7 @@ Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading fr
 |                   |            | root frame, projected gravity) and the PD target alpha chosen in it             |
 | history_mask      | [K]        | True where the history entry exists (False before the episode start)            |
 | student_proprio   | [8, S+29]  | student, steps t-7..t: sparse state s and last alpha (no privileged terms)      |
-| student_keypoints | [10, J*3]  | student, SSJR keypoints Y at t-7..t+2, relative to the robot root (heading)     |
+| student_keypoints | [12, J*3]  | student, SSJR keypoints Y at t-7..t+4, relative to the robot root (heading)     |
 | critic            | [1235]     | privileged: proprio_t, future at t+1, terrain, psi (10)                         |
 """
 from __future__ import annotations
@@ -48,7 +48,10 @@ PHYSICS_DT_S = 0.005  # 200 Hz physics
 SPARSE_STATE_DIM = 64  # s in each (s, alpha) pair of H_t and in the student's proprio (see the table above)
 DECIMATION = 4  # 50 Hz policy
 CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
-START_MODES = ("random", "frame0")  # episode starts: uniform (training), env i plays clips i, i+N, ... (evaluation)
+# episode starts: uniform (training) | frame 0 (evaluation): env i plays clips i, i+N, ..., and every episode draws its
+# psi, tile, pushes and noise from its own stream seeded by (seed, clip, episode), so that episodes are independent and
+# two policies evaluated with the same seed meet the same draws (paired episodes)
+START_MODES = ("random", "frame0")
 START_MARGIN_S = 1.0  # episodes start at least this long before their clip ends (shorter clips: at frame 0)
 
 # PD gains (kp N m/rad, kd N m s/rad) and effort limits (N m), per joint group. Paper: hips 100, knees 200, waist 400,
@@ -83,7 +86,10 @@ def joint_table(device="cpu"):
 REWARD_WEIGHTS = {"gt": 0.5, "gr": 0.4, "gv": 0.1, "gav": 0.1, "rh": 0.2, "rt": 0.2}
 REWARD_COEFFS = {"gt": -100.0, "gr": -10.0, "gv": -0.5, "gav": -0.1, "rh": -100.0, "rt": -120.0}
 POWER_PENALTY = 5e-6
-TERMINATION_ERR_M = 0.5  # max global body-position error that ends an episode (irreversible divergence)
+TERMINATION_ERR_M = 0.5  # global body-position error that ends an episode (irreversible divergence)
+# which error: "max" over the bodies (training, as the authors' code; a strict test) | "mean" over the bodies (the
+# paper's GTE_t, whose max over the episode decides success: evaluation). Keypoint commands: over their keypoints.
+TERMINATIONS = ("max", "mean")
 
 
 @dataclass
@@ -106,7 +112,7 @@ class DR:
     noise_dof_vel_rad_s: float = 0.5  # of a joint-velocity reading
     noise_ang_vel_rad_s: float = 0.1  # of the IMU angular velocity
     noise_gravity: float = 0.03  # of the IMU projected gravity (unit vector)
-    noise_keypoint_m: float = 0.01  # of each SSJR command keypoint (the command is relative to an estimated root pose)
+    noise_keypoint_m: float = 0.01  # of each command keypoint reading (one draw per frame, kept while it is in view)
     # Redraw the body masses, torso CoM and joint armature/damping/friction at every reset, not once per env at the
     # start (as Isaac Lab's 'startup' mode); on Isaac Lab each such write recomputes every world's model constants.
     body_psi_per_episode: bool = False
@@ -606,10 +612,12 @@ class TrackingEnv:
     """Batched G1 motion tracking (paper Sec. 3): reference-state init, PD targets in, tracking reward out."""
 
     HISTORY_LEN = 16  # K for HCDR (see hcdr.py for the choice)
-    PROPRIO_STEPS, FUTURE_STEPS, STUDENT_PAST, STUDENT_FUTURE = 5, 8, 8, 2
+    PROPRIO_STEPS, FUTURE_STEPS, STUDENT_PAST, STUDENT_FUTURE = 5, 8, 8, 4
 
-    def __init__(self, sim, motion_lib: MotionLib, terrain: Terrain, dr: DR | None, seed: int, start: str = "random"):
+    def __init__(self, sim, motion_lib: MotionLib, terrain: Terrain, dr: DR | None, seed: int, start: str = "random",
+                 termination: str = "max"):
         self.sim, self.motions, self.terrain, self.dr, self.start = sim, motion_lib, terrain, dr, start  # START_MODES
+        self.termination = termination  # TERMINATIONS
         self.num_envs, self.device = n, dev = sim.num_envs, sim.device
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
         self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
@@ -627,24 +635,44 @@ class TrackingEnv:
         self.sparse_buf = torch.zeros(n, self.STUDENT_PAST, 93, device=dev)
         self.history = torch.zeros(n, self.HISTORY_LEN, 93, device=dev)
         self.history_mask = torch.zeros(n, self.HISTORY_LEN, dtype=torch.bool, device=dev)
+        window = self.STUDENT_PAST + self.STUDENT_FUTURE
+        self.keypoint_noise = torch.zeros(n, window, len(ssjr.KEYPOINT_BODY_IDS), 3, device=dev)  # command frames
         self.substep_tau = torch.zeros(DECIMATION, n, 29, device=dev)  # torques of the last control step
         self.nan_resets = torch.zeros((), dtype=torch.long, device=dev)  # blown-up envs reset so far
         self._fresh = torch.ones(n, dtype=torch.bool, device=dev)  # envs whose observation stacks restart
         self.obs_layout: dict[str, list[int]] = {}
-        # one reference window per step: t-7..t (student past), t+1..t+2 (student future) / t+1..t+8 (teacher)
+        # one reference window per step: t-7..t (student past), t+1..t+4 (student future) / t+1..t+8 (teacher)
         self.window_steps = torch.arange(1 - self.STUDENT_PAST, self.FUTURE_STEPS + 1, device=dev)
+        self.all_ids = torch.arange(n, device=dev)
         self.gen = torch.Generator(device=dev)  # every draw: clips, starts, psi, pushes, tiles, noise (checkpointed)
+        # frame-0 starts: one stream per env, re-seeded by (seed, clip, episode) at every start (see START_MODES)
+        self.episode_gens = [torch.Generator(device=dev) for _ in range(n)] if start == "frame0" else None
         self._seed(seed)
 
     def _seed(self, seed: int):
-        """Restart the random stream at `seed`: the clip rotation and all of psi (see DR.body_psi_per_episode)."""
+        """Restart the random streams at `seed`: the clip rotation and all of psi (see DR.body_psi_per_episode)."""
+        self.seed = seed
         self.gen.manual_seed(seed)
-        self.next_clip = torch.arange(self.num_envs, device=self.device) % len(self.motions)
+        self.start_count = self.all_ids.clone()  # frame-0 starts: env i's k-th start is start i + k N of the rotation
         self.psi = sample_psi(self.dr, self.num_envs, self.gen, self.device)
         self._write_psi(torch.arange(self.num_envs, device=self.device), body=True)
 
     def close(self):
         self.sim.close()
+
+    def _draw(self, ids: torch.Tensor, fn):
+        """fn(m, generator) -> m draws (a tensor [m, ...] or a dict of them) for envs `ids`: one batched call on the
+        env's stream, or with frame-0 starts one call per env on its episode's own stream."""
+        if self.episode_gens is None:
+            return fn(len(ids), self.gen)
+        draws = [fn(1, self.episode_gens[i]) for i in ids.tolist()]
+        if isinstance(draws[0], dict):
+            return {k: torch.cat([d[k] for d in draws]) for k in draws[0]}
+        return torch.cat(draws)
+
+    def _randn(self, *shape: int) -> torch.Tensor:
+        """Standard normal draws [N, *shape], one set per env (see _draw)."""
+        return self._draw(self.all_ids, lambda m, g: torch.randn((m, *shape), generator=g, device=self.device))
 
     # --- reference ------------------------------------------------------------------------------------------------
     def tick(self) -> torch.Tensor:
@@ -680,26 +708,32 @@ class TrackingEnv:
 
     def _reset_envs(self, ids: torch.Tensor):
         m, dev, lib = len(ids), self.device, self.motions
-        if self.start == "frame0":
-            self.clip[ids] = self.next_clip[ids]
-            self.next_clip[ids] = (self.next_clip[ids] + self.num_envs) % len(lib)
+        if self.start == "frame0":  # start g of the rotation plays clip g mod C for the (g div C)-th time
+            g = self.start_count[ids]
+            self.clip[ids] = g % len(lib)
+            self.start_count[ids] += self.num_envs
             self.tick0[ids] = 0
+            for i, clip, episode in zip(ids.tolist(), (g % len(lib)).tolist(), (g // len(lib)).tolist()):
+                self.episode_gens[i].manual_seed(int(np.random.SeedSequence([self.seed, clip, episode]).generate_state(
+                    1)[0]))
         else:  # reference-state init: a uniform clip, then a uniform start tick in it
             self.clip[ids] = torch.randint(len(lib), (m,), generator=self.gen, device=dev)
             num_starts = lib.last_start_tick[self.clip[ids]] + 1
             self.tick0[ids] = (torch.rand(m, generator=self.gen, device=dev) * num_starts).long()
         self.step_count[ids] = 0
-        tile = torch.multinomial(self.tile_weights, m, replacement=True, generator=self.gen)
+        tile = self._draw(ids, lambda k, g: torch.multinomial(self.tile_weights, k, replacement=True, generator=g))
         start = lib.at_tick(self.clip[ids], self.tick0[ids])
         self.ref_offset[ids, :2] = self.spawn_xy[tile] - start["body_pos"][:, 0, :2]
-        # psi: this episode's hidden dynamics (without DR the nominal values written at start stay)
+        # psi: this episode's hidden dynamics (without DR the nominal values written at start stay); evaluation
+        # episodes redraw the body terms too: they must be independent
         if self.dr is not None:
-            body = self.dr.body_psi_per_episode
-            for k, v in sample_psi(self.dr, m, self.gen, dev).items():
+            body = self.dr.body_psi_per_episode or self.episode_gens is not None
+            for k, v in self._draw(ids, lambda k, g: sample_psi(self.dr, k, g, dev)).items():
                 if body or k not in BODY_PSI_KEYS:
                     self.psi[k][ids] = v
             self._write_psi(ids, body)
-            self.next_push_s[ids] = uniform(self.dr.push_interval_s, m, self.gen, dev)  # without DR: inf, no pushes
+            # without DR: inf, no pushes
+            self.next_push_s[ids] = self._draw(ids, lambda k, g: uniform(self.dr.push_interval_s, k, g, dev))
         # reference-state initialization; the observation stacks of these envs restart from their first frame
         ref = self.reference(env_ids=ids)
         self.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], ref["body_lin_vel"][:, 0],
@@ -732,11 +766,11 @@ class TrackingEnv:
         ids = push.nonzero().squeeze(-1)  # one of the two host reads of a step (the engine call needs the count)
         if len(ids):
             _, _, v, w = self.sim.root_state()
-            direction, size = torch.rand(len(ids), 2, generator=self.gen, device=dev).T  # uniform, U[0, push_vel]
+            direction, size = self._draw(ids, lambda k, g: torch.rand(k, 2, generator=g, device=dev)).T  # U[0, 1)
             angle_rad = 2 * math.pi * direction
             kick = size[:, None] * self.dr.push_vel_mps * torch.stack([angle_rad.cos(), angle_rad.sin()], -1)
             self.sim.set_root_velocity(ids, v[ids] + torch.nn.functional.pad(kick, (0, 1)), w[ids])
-            self.next_push_s[ids] += uniform(self.dr.push_interval_s, len(ids), self.gen, dev)
+            self.next_push_s[ids] += self._draw(ids, lambda k, g: uniform(self.dr.push_interval_s, k, g, dev))
         power = torch.zeros(self.num_envs, device=dev)
         for k in range(DECIMATION):
             # control delay of d physics steps: the new target reaches the motors d steps into the control period
@@ -761,9 +795,10 @@ class TrackingEnv:
         blown_up = self.sim.nan_envs() | ~finite
         reward = reward.masked_fill(blown_up, 0.0)
         # human keypoint commands define only the SSJR keypoints: they alone decide the failure there
-        max_err = torch.where(self.motions.keypoints_only[self.clip], metrics["max_keypoint_err_m"],
-                              metrics["max_body_err_m"])
-        failed = (max_err > TERMINATION_ERR_M) | blown_up
+        keypoint_err, body_err = (("max_keypoint_err_m", "max_body_err_m") if self.termination == "max" else
+                                  ("keypoint_err_m", "gt_err_m"))
+        err = torch.where(self.motions.keypoints_only[self.clip], metrics[keypoint_err], metrics[body_err])
+        failed = (err > TERMINATION_ERR_M) | blown_up
         time_out = self.tick() >= self.motions.num_ticks[self.clip] - 1
         done = failed | time_out
         self.body_pos_w, self.body_quat_w = body[0], body[1]
@@ -804,25 +839,27 @@ class TrackingEnv:
         # the sensor readings s_t (joint encoders, IMU): one noise draw each under DR, shared by every stack below
         s = self.sparse_state(body, q, qd)
         if self.sensor_std is not None:
-            s = s + self.sensor_std * torch.randn(s.shape, generator=self.gen, device=self.device)
+            s = s + self.sensor_std * self._randn(s.shape[-1])
         proprio = torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
                              heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat), heading(lin), heading(ang),
                              s[:, :58], self.last_alpha], -1)
         for name, new in (("proprio_buf", proprio), ("sparse_buf", torch.cat([s, self.last_alpha], -1))):
             stack = shift_in(getattr(self, name), new) if advance else getattr(self, name)
             setattr(self, name, torch.where(self._fresh[:, None, None], new[:, None], stack))
-        self._fresh[:] = False
-        # dense future reference (teacher) at t+1..t+8 and SSJR keypoint commands (student) at t-7..t+2
+        # dense future reference (teacher) at t+1..t+8 and SSJR keypoint commands (student) at t-7..t+4
         ref = self.reference(self.window_steps)
         fut = {k: v[:, self.STUDENT_PAST:] for k, v in ref.items()}
         future = torch.cat([heading(fut["body_pos"] - root_pos[:, None, None]), heading(fut["body_pos"] - pos[:, None]),
                             heading_rot6d(fut["body_quat"]), heading(fut["body_lin_vel"]),
                             heading(fut["body_ang_vel"]), fut["dof_pos"]], -1)
         kp_w = ref["body_pos"][:, :self.STUDENT_PAST + self.STUDENT_FUTURE, self.keypoint_ids]
+        if self.dr is not None:  # one draw per keypoint of each command frame, kept while the window slides over it
+            noise = self.dr.noise_keypoint_m * self._randn(*kp_w.shape[1:])
+            stack = shift_in(self.keypoint_noise, noise[:, -1]) if advance else self.keypoint_noise
+            self.keypoint_noise = torch.where(self._fresh[:, None, None, None], noise, stack)
+            kp_w = kp_w + self.keypoint_noise
+        self._fresh[:] = False
         keypoints = ssjr.keypoint_command(kp_w, root_pos, root_quat)
-        if self.dr is not None:
-            keypoints = keypoints + self.dr.noise_keypoint_m * torch.randn(keypoints.shape, generator=self.gen,
-                                                                           device=self.device)
         # g_t: height scan around the root in the heading frame
         scan_w = rotate_z(torch.nn.functional.pad(self.scan_xy, (0, 1)), yaw[:, None])[..., :2]
         terrain = root_pos[:, 2:3] - self.terrain.height_at(scan_w + root_pos[:, None, :2])
@@ -872,17 +909,19 @@ def tile_weights(tile_types, mix: dict[str, float]) -> torch.Tensor:
 def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
              dr: DR | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
              exclude_test: bool = True, performance_mode: bool = False,
-             terrain_seed: int | None = None) -> TrackingEnv:
+             terrain_seed: int | None = None, termination: str = "max") -> TrackingEnv:
     """Build the tracking env on `sim` ("isaaclab" | "genesis"). `motions`: packet folder/file/list; the held-out
     test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation).
     performance_mode (Genesis): kernels compiled for this exact num_envs (faster CPU physics, a longer compile at every
-    start; one mode per process). terrain_seed: the heightfield's seed (default: seed)."""
+    start; one mode per process). terrain_seed: the heightfield's seed (default: seed). termination: TERMINATIONS."""
     if num_envs < 1:
         raise InputError("--num-envs", f"must be at least 1, got {num_envs}")
     if sim not in ("genesis", "isaaclab"):
         raise InputError("--sim", f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
     if start not in START_MODES:  # before the engine: Isaac Lab allows one simulation per process
         raise InputError("--start", f"unknown start '{start}': choose one of {START_MODES}")
+    if termination not in TERMINATIONS:
+        raise InputError("--termination", f"unknown termination '{termination}': choose one of {TERMINATIONS}")
     paths = resolve_motions(motions)
     if exclude_test and len(paths) > 1:
         paths, _ = ssjr.train_test_split(paths)
@@ -892,7 +931,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     ground = make_terrain(terrain, seed if terrain_seed is None else terrain_seed)
     engine = (GenesisSim(num_envs, device, ground, performance_mode=performance_mode) if sim == "genesis"
               else IsaacLabSim(num_envs, device, ground))
-    return TrackingEnv(engine, motion_lib, ground, dr, seed, start)
+    return TrackingEnv(engine, motion_lib, ground, dr, seed, start, termination)
 
 
 # --- Benchmark: our env vs the raw engine stepping the same scene (same adapter, same N, same run).

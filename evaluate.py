@@ -5,23 +5,36 @@
     python evaluate.py --ckpt s.pt --motions data/keypoints/cmu_bvh --settings genesis   # human keypoint commands
     python evaluate.py --ckpt s.pt --settings genesis --seeds 0 --episodes 1 --max-steps 100   # smoke run
 
+    python evaluate.py --ckpt t.pt s0.pt s1.pt s2.pt --labels teacher student student student   # training runs
+
 Settings: `<engine>[+dr][@<terrain>]`; engine = isaaclab | genesis | in_domain (the first checkpoint's env_cfg["sim"]) |
 zero_shot (the other engine); +dr = envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise); terrain = flat |
 smooth_slope | rough_slope. One env per (checkpoint, setting): the checkpoint's env_cfg with these overrides and frame-0
 starts (env i plays clips i, i+N, ...), restarted by env.reseed(seed) for every seed, closed before the next is built
-(Isaac Lab: one live env per process). psi and pushes follow the seed: t-tests pair episodes by (clip, seed, episode).
+(Isaac Lab: one live env per process).
+
+Episodes. Under +dr every episode draws its own psi (body terms included), tile, pushes and sensor noise from a stream
+seeded by (seed, clip, episode) alone (envs.START_MODES): the episodes are independent samples, and the episodes of two
+checkpoints with the same key met the same draws (pairs). Without DR an episode is fixed by its clip and tile, and the
+deterministic policy plays it the same way every time: one episode per clip and seed is played, reported as
+near-identical starts, without an interval. Checkpoints that share a label are training runs of one method (e.g.
+training seeds): the run is the unit there (mean and interval over the runs).
 
 Motions: the test split (ssjr.TEST_CLIPS) or a folder/file of SSJR packets and/or human keypoint commands. A keypoint
 command commands only the SSJR keypoint bodies: it is scored by the keypoint error and the falls in its own report
 section, and its full-body metrics are NaN.
 
-An episode runs from frame 0 until its clip ends or the env terminates it (a body, for a keypoint command a keypoint
-body, > 0.5 m from the reference); env.body_pos_w, ref_body_pos_w [N,30,3], body_quat_w, ref_body_quat_w [N,30,4] are
-recorded right after every env.step() (the states the env judged). Per episode of T steps (50 Hz), B=30 bodies:
+An episode runs from frame 0 until its clip ends, its simulation blows up, or GTE_t > 0.5 m (for a keypoint command:
+the mean keypoint error; env termination="mean"): an early end is never a success. env.body_pos_w, ref_body_pos_w
+[N,30,3], body_quat_w, ref_body_quat_w [N,30,4] are recorded right after every env.step() (the states the env judged).
+Per episode of T steps (50 Hz), B=30 bodies:
 
-  GTE_t        = max_b ||p_ref_tb - p_tb||                                    (world frame, m)
-  success      = max_t GTE_t < 0.5 m and every error finite                   (strict success, %)
-  g-mpjpe      = mean_t mean_b ||p_ref_tb - p_tb||                            (world frame, mm)
+  GTE_t        = mean_b ||p_ref_tb - p_tb||  (the per-frame g-mpjpe)         (world frame, m)
+  success      = max_t GTE_t < 0.5 m and every error finite                   (the paper's success, %)
+  success_strict = max_t max_b ||p_ref_tb - p_tb|| < 0.5 m                    (every body within 0.5 m: the training
+                                                                               termination; stricter, %)
+  steps        = control steps survived (the clip's length for a success)
+  g-mpjpe      = mean_t GTE_t                                                 (world frame, mm)
   mpjpe        = mean_t mean_b ||L_ref_t (p_ref_tb - p_ref_t0) - L_t (p_tb - p_t0)||   (mm; body 0 = pelvis, L_t =
                  inverse heading (yaw) rotation of that pose's root: ProtoMotions' cartesian_err, ssjr.root_relative;
                  a rigid translation or a turn about the vertical gives 0, tilts and limb errors count)
@@ -38,9 +51,13 @@ recorded right after every env.step() (the states the env judged). Per episode o
   v_t = (p_t+1,0 - p_t,0)/dt, w_t = rotvec(q_t+1,0 q_t,0^-1)/dt, |qdot - qdot_ref| = angle(lr_t^-1 lr_t+1,
   lr_ref_t^-1 lr_ref_t+1)/dt (exact for hinges); NaN if T < 2.
 
-Aggregation: the mean over the episodes of each (checkpoint, setting, seed), then mean ± std (ddof 1) over seeds; a
-blown-up episode fails and its errors are left out of the means. Push recovery (+dr): the success rate of the episodes
-pushed at least once. Significance: scipy.stats.ttest_rel of each checkpoint against the first, p < --alpha flagged `*`.
+Aggregation (a blown-up episode fails and its errors are left out of the means): one checkpoint: the mean over its
+episodes with a 95 % interval over the independent ones (rates: Wilson; other metrics: Student t); several runs: the
+mean of the runs' means, Student-t interval over the runs. Push recovery (+dr): the success rate of the episodes pushed
+at least once. Comparisons against the first label, per setting and metric: the paired difference (episodes paired by
+(clip, seed, episode)), McNemar's exact test for the 0/1 metrics and scipy.stats.ttest_rel for the others; for runs,
+the per-run paired differences (runs paired in the order given; one reference run serves them all), their mean,
+t-interval and one-sample t-test over the runs. p < --alpha is flagged `*`.
 Outputs in --out-dir: table.md, episodes.csv (one row per episode), summary.json. Pictures of a motion:
 `python ssjr.py show <packet>`.
 """
@@ -70,14 +87,15 @@ from ssjr import InputError
 
 SUCCESS_THRESHOLD_M = 0.5  # paper: an episode fails once the global translation error exceeds 0.5 m
 REWARD_C = {"dv": 0.002, "kb": 10.0, "lr": 0.2, "rv": 0.5, "rav": 0.1}  # c of exp(-c * err); ProtoMotions' values
-METRICS = ("success", "g_mpjpe_mm", "mpjpe_mm", "gr_err_rad", "gr_err_deg",
+METRICS = ("success", "success_strict", "g_mpjpe_mm", "mpjpe_mm", "gr_err_rad", "gr_err_deg",
            "dv_rew", "kb_rew", "lr_rew", "rv_rew", "rav_rew")  # full body: NaN for human keypoint commands
-KEYPOINT_METRICS = ("keypoint_err_mm", "fell")  # every command
+KEYPOINT_METRICS = ("keypoint_err_mm", "fell", "steps")  # every command
 ALL_METRICS = METRICS + KEYPOINT_METRICS
-PERCENT = {"success", "fell"}  # 0/1 per episode, reported in %
+PERCENT = {"success", "success_strict", "fell"}  # 0/1 per episode, reported in % (McNemar's test)
 LOWER_IS_BETTER = {"g_mpjpe_mm", "mpjpe_mm", "gr_err_rad", "gr_err_deg", "keypoint_err_mm", "fell"}
-TABLE1_METRICS = (("success", "Succ. (%)↑"), ("g_mpjpe_mm", "g-mpjpe (mm)↓"), ("mpjpe_mm", "mpjpe (mm)↓"))
-KEYPOINT_TABLE = (("keypoint_err_mm", "keypoint err (mm)↓"), ("fell", "falls (%)↓"))
+TABLE1_METRICS = (("success", "Succ. (%)↑"), ("steps", "steps↑"), ("g_mpjpe_mm", "g-mpjpe (mm)↓"),
+                  ("mpjpe_mm", "mpjpe (mm)↓"))
+KEYPOINT_TABLE = (("keypoint_err_mm", "keypoint err (mm)↓"), ("fell", "falls (%)↓"), ("steps", "steps↑"))
 ROBOT, HUMAN_KEYPOINTS = "robot", "human_keypoints"  # the packet kinds (ssjr.packet_kind)
 ENGINES = {"isaaclab": "IsaacLab", "genesis": "Genesis"}
 RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
@@ -86,9 +104,9 @@ RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
 @dataclass
 class Args:
     ckpt: tuple[str, ...]
-    """checkpoint(s) of teacher.py / student.py; several give an ablation table, the first is the t-test reference"""
+    """checkpoint(s) of teacher.py / student.py; several give an ablation table, the first label is the reference"""
     labels: tuple[str, ...] = ()
-    """table row names, one per checkpoint (default: file stems), e.g. HoRD 'HoRD w/o HCDR' 'HoRD w/o DR'"""
+    """table row names, one per checkpoint (default: file stems); checkpoints sharing a label are runs of one method"""
     settings: tuple[str, ...] = ("isaaclab", "isaaclab+dr", "genesis", "genesis+dr",
                                  "zero_shot@smooth_slope", "zero_shot@rough_slope")
     """evaluation settings, `<engine>[+dr][@<terrain>]` (see the module docstring)"""
@@ -97,9 +115,9 @@ class Args:
     packet_dir: str = str(ssjr.REPO / "data" / "packets" / "g1_moves")
     """folder searched (recursively) for the test-split packets written by `ssjr.py convert`"""
     seeds: tuple[int, ...] = (0, 1, 2)
-    """env seeds (dynamics psi, pushes, spawn tile); mean ± std is taken over them"""
+    """evaluation seeds: with the clip and the episode index they seed each episode's psi, tile, pushes and noise"""
     episodes: int = 2
-    """episodes per clip and seed"""
+    """episodes per clip and seed under +dr (without DR one: they would be near-identical)"""
     num_envs: int = 16
     """parallel envs (capped at clips x episodes)"""
     device: str = "cpu"
@@ -109,7 +127,7 @@ class Args:
     out_dir: str = "results/eval"
     """where table.md, episodes.csv and summary.json go"""
     alpha: float = 0.01
-    """significance level of the paired t-tests"""
+    """significance level of the paired tests"""
 
 
 # --- 1. Metrics: pure functions over one episode's arrays, positions [T,B,3] (m), quaternions [T,B,4] (wxyz). ---
@@ -145,26 +163,29 @@ def reward_terms(pos: torch.Tensor, quat: torch.Tensor, ref_pos: torch.Tensor, r
 def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S, command: str = ROBOT) -> dict[str, float]:
     """The metrics of a recorded episode (rec: RECORDED arrays [T,B,.], numpy or torch): METRICS and max_gte_m (NaN for
     a human keypoint command, whose non-keypoint reference bodies are filler), keypoint_err_mm, max_keypoint_err_m
-    (the env's failure tests compare these maxima with 0.5 m; `fell`, their verdict, comes with the rollout)."""
+    (the env's failure test compares the mean keypoint error with 0.5 m; `fell`, its verdict, comes with the
+    rollout)."""
     pos, ref_pos, quat, ref_quat = (torch.as_tensor(np.asarray(rec[k]), dtype=torch.float64) for k in RECORDED)
     err = envs.body_error_metrics(pos, ref_pos)  # per step [T]; the env's info["metrics"] are the same functions
-    gte = err["max_body_err_m"]
+    gte = err["gt_err_m"]  # GTE_t: the mean over the bodies
+    within = lambda e: float(bool(torch.isfinite(e).all() and e.max() < SUCCESS_THRESHOLD_M))  # noqa: E731
     local = ssjr.root_relative(pos, pos[:, 0], quat[:, 0])  # each pose in its own heading frame
     ref_local = ssjr.root_relative(ref_pos, ref_pos[:, 0], ref_quat[:, 0])
     gr = float(ssjr.quat_angle(quat, ref_quat).mean())
-    out = {"success": float(bool(torch.isfinite(gte).all() and gte.max() < SUCCESS_THRESHOLD_M)),
-           "max_gte_m": float(gte.max()), "g_mpjpe_mm": 1000.0 * float(err["gt_err_m"].mean()),
+    out = {"success": within(gte), "success_strict": within(err["max_body_err_m"]), "max_gte_m": float(gte.max()),
+           "g_mpjpe_mm": 1000.0 * float(gte.mean()),
            "mpjpe_mm": 1000.0 * float((ref_local - local).norm(dim=-1).mean()), "gr_err_rad": gr,
            "gr_err_deg": math.degrees(gr)}
     out.update(reward_terms(pos, quat, ref_pos, ref_quat, dt_s, ssjr.BODY_PARENTS, ssjr.KEYPOINT_BODY_IDS))
     if command == HUMAN_KEYPOINTS:
         out.update(dict.fromkeys((*METRICS, "max_gte_m"), math.nan))
     out["keypoint_err_mm"] = 1000.0 * float(err["keypoint_err_m"].mean())
+    out["steps"] = float(len(pos))
     out["max_keypoint_err_m"] = float(err["max_keypoint_err_m"].max())
     return out
 
 
-# --- 2. Aggregation and statistics over episode rows (dicts: label, setting, seed, clip, episode, metrics...). ---
+# --- 2. Statistics over episode rows (dicts: label, ckpt, setting, seed, clip, episode, metrics...). ---
 def group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     """Rows by the values of `keys`."""
     out: dict[tuple, list[dict]] = {}
@@ -173,14 +194,49 @@ def group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     return out
 
 
-def seed_stats(rows: list[dict], metric: str) -> tuple[float, float, int]:
-    """Mean over episodes per seed, then (mean, std ddof=1 (0 for one seed), number of seeds); PERCENT metrics in %."""
-    scale = 100.0 if metric in PERCENT else 1.0
-    per_seed = [scale * sum(xs) / len(xs) for _, sel in sorted(group(rows, "seed").items())
-                if (xs := [r[metric] for r in sel if math.isfinite(r[metric])])]
-    if not per_seed:
-        return math.nan, math.nan, 0
-    return float(np.mean(per_seed)), float(np.std(per_seed, ddof=1)) if len(per_seed) > 1 else 0.0, len(per_seed)
+Z95 = stats.norm.ppf(0.975)
+
+
+def wilson(k: float, n: int) -> tuple[float, float]:
+    """95 % Wilson score interval of a rate, k successes in n independent trials."""
+    if n == 0:
+        return math.nan, math.nan
+    p, z2 = k / n, Z95 ** 2
+    centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def t_interval(xs) -> tuple[float, float, float]:
+    """(mean, 95 % Student-t interval) of independent samples; NaN interval for fewer than 2."""
+    xs = np.asarray(xs, np.float64)
+    mean = float(xs.mean()) if len(xs) else math.nan
+    if len(xs) < 2:
+        return mean, math.nan, math.nan
+    half = float(stats.t.ppf(0.975, len(xs) - 1) * xs.std(ddof=1) / math.sqrt(len(xs)))
+    return mean, mean - half, mean + half
+
+
+def per_run(rows: list[dict], metric: str) -> list[list[float]]:
+    """The finite values of `metric`, one list per checkpoint (training run), in the order the runs were given."""
+    return [xs for sel in group(rows, "ckpt").values() if (xs := [r[metric] for r in sel if math.isfinite(r[metric])])]
+
+
+def estimate(rows: list[dict], metric: str, independent: bool) -> dict:
+    """`metric` over the rows of one label and setting: {mean, lo, hi (95 % interval), n (episodes), runs}; PERCENT
+    metrics in %. One run: over its episodes (rates: Wilson, others: t), no interval if they are not independent.
+    Several runs: the mean of the run means and a t-interval over the runs."""
+    runs, scale = per_run(rows, metric), 100.0 if metric in PERCENT else 1.0
+    if not runs:
+        return {"mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0, "runs": 0}
+    if len(runs) > 1:
+        mean, lo, hi = t_interval([np.mean(xs) for xs in runs])
+    elif not independent:
+        mean, lo, hi = float(np.mean(runs[0])), math.nan, math.nan
+    elif metric in PERCENT:
+        mean, (lo, hi) = float(np.mean(runs[0])), wilson(sum(runs[0]), len(runs[0]))
+    else:
+        mean, lo, hi = t_interval(runs[0])
+    return {"mean": scale * mean, "lo": scale * lo, "hi": scale * hi, "n": sum(map(len, runs)), "runs": len(runs)}
 
 
 def paired_ttest(a, b) -> tuple[float, float, int]:
@@ -198,35 +254,80 @@ def paired_ttest(a, b) -> tuple[float, float, int]:
     return float(r.statistic), float(r.pvalue), int(r.df)
 
 
-def paired_comparison(by_label_setting: dict[tuple, list[dict]], metric: str, setting: str, label: str,
-                      ref_label: str) -> tuple[float, float, int]:
-    """paired_ttest of `label` against `ref_label` in `setting` (rows grouped by label, setting), pairing episodes by
-    (clip, seed, episode)."""
+def mcnemar(a, b) -> float:
+    """McNemar's exact test of paired 0/1 outcomes: the two-sided binomial p of the discordant pairs (1 if none)."""
+    a, b = np.asarray(a, bool), np.asarray(b, bool)
+    only_a, only_b = int((a & ~b).sum()), int((~a & b).sum())
+    return float(stats.binomtest(only_a, only_a + only_b).pvalue) if only_a + only_b else 1.0
+
+
+def pairs(rows: list[dict], ref_rows: list[dict], metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, reference values) of the episodes both have, paired by (clip, seed, episode), without NaN."""
     key = lambda r: (r["clip"], r["seed"], r["episode"])  # noqa: E731
-    ref = {key(r): r[metric] for r in by_label_setting.get((ref_label, setting), [])}
-    pairs = [(r[metric], ref[key(r)]) for r in by_label_setting.get((label, setting), []) if key(r) in ref]
-    return paired_ttest([p[0] for p in pairs], [p[1] for p in pairs])
+    ref = {key(r): r[metric] for r in ref_rows}
+    both = np.array([(r[metric], ref[key(r)]) for r in rows if key(r) in ref], np.float64).reshape(-1, 2)
+    both = both[np.isfinite(both).all(1)]
+    return both[:, 0], both[:, 1]
 
 
-def ttest_rows(rows: list[dict], labels: list[str], settings: list[str], alpha: float) -> list[dict]:
-    """Every checkpoint after the first against the first, per setting and metric (but those NaN in every row)."""
+def compare(rows: list[dict], ref_rows: list[dict], metric: str, independent: bool) -> dict:
+    """`rows` - `ref_rows` of one setting: {diff, lo, hi (95 % interval), p, test, n (pairs), runs}; PERCENT metrics in
+    points. One run: the mean paired difference over the episodes (t-interval), McNemar (0/1 metrics) or the paired t
+    test; no interval or test for episodes that are not independent. Several runs (runs paired in the order given, or
+    all with one reference run): the per-run differences, their mean, t-interval and one-sample t-test."""
+    scale = 100.0 if metric in PERCENT else 1.0
+    runs, ref_runs = list(group(rows, "ckpt").values()), list(group(ref_rows, "ckpt").values())
+    if not ref_runs or len(ref_runs) not in (1, len(runs)):
+        return {"diff": math.nan, "lo": math.nan, "hi": math.nan, "p": math.nan, "test": "", "n": 0, "runs": 0}
+    paired = [pairs(run, ref_runs[i if len(ref_runs) > 1 else 0], metric) for i, run in enumerate(runs)]
+    n = sum(len(a) for a, _ in paired)
+    if len(runs) > 1:
+        diffs = [float(np.mean(a - b)) for a, b in paired if len(a)]
+        diff, lo, hi = t_interval(diffs)
+        p = float(stats.ttest_1samp(diffs, 0.0).pvalue) if len(diffs) > 1 and np.ptp(diffs) > 0 else math.nan
+        test = f"t over {len(diffs)} runs"
+    else:
+        (a, b), = paired
+        diff, lo, hi = t_interval(a - b)
+        p, test = ((mcnemar(a, b), "McNemar") if metric in PERCENT else (paired_ttest(a, b)[1], "paired t"))
+        if not independent:
+            lo = hi = p = math.nan
+            test = "near-identical starts"
+    return {"diff": scale * diff, "lo": scale * lo, "hi": scale * hi, "p": p, "test": test, "n": n, "runs": len(runs)}
+
+
+def comparison_rows(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
+                    metrics=ALL_METRICS) -> list[dict]:
+    """Every label against every label before it (e.g. student vs teacher, w/o HCDR vs teacher and vs student), per
+    setting and metric (but those NaN in every row)."""
     out, by = [], group(rows, "label", "setting")
-    metrics = [m for m in ALL_METRICS if any(math.isfinite(r[m]) for r in rows)]
-    for label in labels[1:]:
-        for setting in settings:
-            for metric in metrics:
-                t, p, df = paired_comparison(by, metric, setting, label, labels[0])
-                out.append({"label": label, "reference": labels[0], "setting": setting, "metric": metric,
-                            "t": t, "p": p, "df": df, "significant": bool(p < alpha)})
+    metrics = [m for m in metrics if any(math.isfinite(r[m]) for r in rows)]
+    for j, label in enumerate(labels):
+        for reference in labels[:j]:
+            for s in settings:
+                for metric in metrics:
+                    c = compare(by.get((label, s.name), []), by.get((reference, s.name), []), metric, s.dr)
+                    out.append({"label": label, "reference": reference, "setting": s.name, "metric": metric, **c,
+                                "significant": bool(c["p"] < alpha)})
     return out
 
 
 # --- 3. Reports: markdown tables, CSV, JSON (every file through ssjr.write_atomic). ---
-def _cell(rows: list[dict], metric: str) -> str:
-    """mean ± std over seeds (mean alone for one seed)."""
-    mean, std, n = seed_stats(rows, metric)
-    d = 1 if metric in PERCENT else 0 if metric.endswith("_mm") else 3
-    return "n/a" if n == 0 else f"{mean:.{d}f} ± {std:.{d}f}" if n > 1 else f"{mean:.{d}f}"
+def _fmt(x: float, metric: str) -> str:
+    return f"{x:.{1 if metric in PERCENT else 0 if metric.endswith('_mm') or metric == 'steps' else 3}f}"
+
+
+def _cell(rows: list[dict], metric: str, independent: bool) -> str:
+    """mean [95 % interval]; for several runs also their number; a rate of near-identical starts says so."""
+    e = estimate(rows, metric, independent)
+    if e["n"] == 0:
+        return "n/a"
+    text = _fmt(e["mean"], metric)
+    if math.isfinite(e["lo"]):
+        text += f" [{_fmt(e['lo'], metric)}, {_fmt(e['hi'], metric)}]"
+    if e["runs"] > 1:
+        return text + f" ({e['runs']} runs)"
+    return text + (f" ({e['n']} near-identical starts)" if metric in PERCENT and not independent else "")
 
 
 def _md(header: list[str], body: list[list[str]]) -> str:
@@ -236,20 +337,29 @@ def _md(header: list[str], body: list[list[str]]) -> str:
 
 def table1_markdown(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
                     columns=TABLE1_METRICS) -> str:
-    """Paper Table 1: one row per checkpoint, the `columns` per setting; `*` = p < alpha against the first row."""
+    """Paper Table 1: one row per label, the `columns` per setting; `*` = p < alpha against the first label."""
     by = group(rows, "label", "setting")
-    star = lambda label, s, m: label != labels[0] and paired_comparison(by, m, s, label, labels[0])[1] < alpha  # noqa
-    body = [[label] + [_cell(by.get((label, s.name), []), m) + (" *" if star(label, s.name, m) else "")
+    star = {(c["label"], c["setting"], c["metric"]) for c in comparison_rows(rows, labels, settings, alpha, [
+        m for m, _ in columns]) if c["significant"] and c["reference"] == labels[0]}
+    body = [[label] + [_cell(by.get((label, s.name), []), m, s.dr) + (" *" if (label, s.name, m) in star else "")
                        for s in settings for m, _ in columns] for label in labels]
     return _md(["Method"] + [f"{s.title} {name}" for s in settings for _, name in columns], body)
 
 
+def runs_markdown(rows: list[dict], settings: list[Setting], columns=TABLE1_METRICS[:2]) -> str:
+    """One row per checkpoint (training run): the `columns` per setting."""
+    by = group(rows, "ckpt", "setting")
+    body = [[sel[0]["label"], f"`{ckpt}`"] + [_cell(by.get((ckpt, s.name), []), m, s.dr) for s in settings
+                                              for m, _ in columns] for (ckpt,), sel in group(rows, "ckpt").items()]
+    return _md(["Method", "checkpoint"] + [f"{s.title} {name}" for s in settings for _, name in columns], body)
+
+
 def per_motion_markdown(rows: list[dict], labels: list[str], setting: Setting, motions: list[str],
                         columns=TABLE1_METRICS) -> str:
-    """Per motion (all segments of one source clip) or per keypoint command: the `columns` per checkpoint."""
+    """Per motion (all segments of one source clip) or per keypoint command: the `columns` per label."""
     by = group(rows, "label", "setting", "motion")
-    body = [[motion] + [_cell(by.get((label, setting.name, motion), []), m) for label in labels for m, _ in columns]
-            for motion in motions]
+    body = [[motion] + [_cell(by.get((label, setting.name, motion), []), m, setting.dr) for label in labels
+                        for m, _ in columns] for motion in motions]
     return _md(["Motion"] + [f"{label} {name}" for label in labels for _, name in columns], body)
 
 
@@ -258,19 +368,34 @@ def push_markdown(rows: list[dict], labels: list[str], settings: list[Setting], 
     """Push recovery: `metric` over the episodes pushed at least once, [pushed / all episodes] after each cell."""
     by = group(rows, "label", "setting")
 
-    def cell(sel: list[dict]) -> str:
+    def cell(sel: list[dict], s: Setting) -> str:
         pushed = [r for r in sel if r["pushes"] > 0]
-        return f"{_cell(pushed, metric)} [{len(pushed)}/{len(sel)}]"
-    body = [[label] + [cell(by.get((label, s.name), [])) for s in settings] for label in labels]
+        return f"{_cell(pushed, metric, s.dr)} [{len(pushed)}/{len(sel)}]"
+    body = [[label] + [cell(by.get((label, s.name), []), s) for s in settings] for label in labels]
     return _md(["Method"] + [f"{s.title} {name} [pushed/all episodes]" for s in settings], body)
 
 
-def _counts(rows: list[dict]) -> str:
-    eps, truncated = {(r["clip"], r["seed"], r["episode"]) for r in rows}, sum(r["truncated"] for r in rows)
+def comparison_markdown(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
+                        metrics=ALL_METRICS) -> str:
+    """comparison_rows as a table: method - reference [95 % interval], the test, p, pairs of episodes, runs."""
+    def interval(c):
+        return f"[{_fmt(c['lo'], c['metric'])}, {_fmt(c['hi'], c['metric'])}]" if math.isfinite(c["lo"]) else ""
+    body = [[c["label"], c["reference"], c["setting"], c["metric"], f"{_fmt(c['diff'], c['metric'])} {interval(c)}",
+             c["test"], f"{c['p']:.2e}" if math.isfinite(c["p"]) else "", str(c["n"]), str(c["runs"]),
+             "yes" if c["significant"] else "no"] for c in comparison_rows(rows, labels, settings, alpha, metrics)]
+    return _md(["Method", "vs", "Setting", "Metric", "difference [95 % interval]", "test", "p", "pairs", "runs",
+                f"p < {alpha}"], body)
+
+
+def _counts(rows: list[dict], settings: list[Setting]) -> str:
+    truncated = sum(r["truncated"] for r in rows)
     cut = (f"; {truncated} of all {len(rows)} recorded episodes were cut short by --max-steps (a success there only "
            f"means no failure so far)") if truncated else ""
+    per = group(rows, "ckpt", "setting")
+    counts = ", ".join(f"{s.name} {max((len(v) for (_, name), v in per.items() if name == s.name), default=0)} "
+                       f"{'independent episodes' if s.dr else 'near-identical starts'}" for s in settings)
     return (f"{len({r['motion'] for r in rows})} motions ({len({r['clip'] for r in rows})} clips), "
-            f"{len({r['seed'] for r in rows})} seed(s), {len(eps)} episodes per checkpoint and setting{cut}")
+            f"{len({r['seed'] for r in rows})} seed(s); per checkpoint: {counts}{cut}")
 
 
 PUSH_NOTE = (f"+DR: dynamics psi and sensor noise (envs.DR) on every checkpoint; pushes: a root-velocity kick of up "
@@ -280,46 +405,53 @@ PUSH_NOTE = (f"+DR: dynamics psi and sensor noise (envs.DR) on every checkpoint;
 def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
                     notes: tuple[str, ...] = ()) -> str:
     """table.md: the paper's tables over the robot-motion episodes, keypoint error and falls over the human keypoint
-    command episodes, the t-tests over both; `notes` first."""
+    command episodes, the comparisons of both; `notes` first."""
     robot, human = ([r for r in rows if r["command"] == c] for c in (ROBOT, HUMAN_KEYPOINTS))
     flat, with_dr = [s for s in settings if s.terrain == "flat"], [s for s in settings if s.dr]
-    parts = [f"# HoRD evaluation\n\nMean ± std over seeds; success = max_t GTE_t < {SUCCESS_THRESHOLD_M} m; falls = "
-             f"episodes the env ended early (a body, or keypoint body, > {envs.TERMINATION_ERR_M} m from the "
-             f"reference, or a blown-up simulation). `*`: paired t-test against {labels[0]} with p < {alpha}.\n"]
+    parts = [f"# HoRD evaluation\n\nsuccess = max_t GTE_t < {SUCCESS_THRESHOLD_M} m (GTE_t: the bodies' mean "
+             f"position error), the episode ends when it fails; success_strict: every body within "
+             f"{SUCCESS_THRESHOLD_M} m. Cells: mean [95 % interval]: rates Wilson over independent episodes (+DR), "
+             f"other metrics Student t; several runs of a label: over the runs. Settings without DR play "
+             f"near-identical starts: no interval. `*`: p < {alpha} against {labels[0]} (McNemar for rates, paired t "
+             f"otherwise; over runs: t); every pair of labels: the paired comparisons at the end.\n"]
     if notes:
         parts.append("**Notes**\n\n" + "".join(f"- {n}\n" for n in notes))
+    several_runs = len(labels) < len({r["ckpt"] for r in rows})
     if robot:
-        parts.append(f"Robot motions (SSJR packets): {_counts(robot)}.\n")
+        parts.append(f"Robot motions (SSJR packets): {_counts(robot, settings)}.\n")
         if flat:
             parts.append("## Table 1: tracking across engines\n\n" + table1_markdown(robot, labels, flat, alpha))
         sloped = [s for s in settings if s.terrain != "flat"]
         if sloped:
             terrain = [s for s in flat if any((s.sim, s.dr) == (t.sim, t.dr) for t in sloped)] + sloped
             parts.append("## Terrain\n\n" + table1_markdown(robot, labels, terrain, alpha))
+        if several_runs:
+            parts.append("## Runs\n\n" + runs_markdown(robot, settings))
         if with_dr:
             parts.append("## Push recovery\n\n" + PUSH_NOTE + push_markdown(robot, labels, with_dr))
         by = group(robot, "label", "setting")  # the paper's App. table 'comprehensive metrics'
         parts += [f"## All metrics: {s.title}\n\n" + _md(["Metric"] + labels, [
             [(m + " (%)" if m in PERCENT else m) + (" ↓" if m in LOWER_IS_BETTER else " ↑")]
-            + [_cell(by.get((label, s.name), []), m) for label in labels] for m in ALL_METRICS]) for s in settings]
+            + [_cell(by.get((label, s.name), []), m, s.dr) for label in labels] for m in ALL_METRICS])
+            for s in settings]
         motions = list(dict.fromkeys(r["motion"] for r in robot))
         parts += [f"## Per motion: {s.title}\n\n" + per_motion_markdown(robot, labels, s, motions) for s in settings]
+        if len(labels) > 1:
+            parts.append("## Paired comparisons: robot motions\n\n" + comparison_markdown(
+                robot, labels, settings, alpha, ("success", "success_strict", "steps", "g_mpjpe_mm", "mpjpe_mm")))
     if human:
-        parts.append(f"## Human keypoint commands\n\n{_counts(human)}. Only the SSJR keypoint bodies are commanded, "
-                     f"so these are scored by the keypoint error and the falls instead of the full-body metrics.\n\n"
-                     + table1_markdown(human, labels, settings, alpha, KEYPOINT_TABLE))
+        parts.append(f"## Human keypoint commands\n\n{_counts(human, settings)}. Only the SSJR keypoint bodies are "
+                     f"commanded, so these are scored by the keypoint error and the falls instead of the full-body "
+                     f"metrics.\n\n" + table1_markdown(human, labels, settings, alpha, KEYPOINT_TABLE))
         if with_dr:
             parts.append("## Push recovery: human keypoint commands\n\n" + PUSH_NOTE
                          + push_markdown(human, labels, with_dr, "fell", "falls of pushed episodes (%)↓"))
         commands = list(dict.fromkeys(r["motion"] for r in human))
         parts += [f"## Per command: {s.title}\n\n" + per_motion_markdown(human, labels, s, commands, KEYPOINT_TABLE)
                   for s in settings]
-    if len(labels) > 1:
-        body = [[t["label"], t["reference"], t["setting"], t["metric"], f"{t['t']:.3f}", f"{t['p']:.2e}", str(t["df"]),
-                 "yes" if t["significant"] else "no"] for t in ttest_rows(rows, labels, [s.name for s in settings],
-                                                                          alpha)]
-        parts.append("## Paired t-tests\n\n" + _md(["Method", "vs", "Setting", "Metric", "t", "p", "df",
-                                                    f"p < {alpha}"], body))
+        if len(labels) > 1:
+            parts.append("## Paired comparisons: human keypoint commands\n\n"
+                         + comparison_markdown(human, labels, settings, alpha, KEYPOINT_METRICS))
     return "\n".join(parts)
 
 
@@ -336,15 +468,21 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
             w.writeheader()
             w.writerows(rows)
     ssjr.write_atomic(out / "episodes.csv", write_csv)
-    by = group(rows, "label", "setting", "command")
-    results = lambda command, metrics: {label: {s.name: {m: dict(zip(("mean", "std", "n_seeds"), seed_stats(  # noqa
-        by.get((label, s.name, command), []), m))) for m in metrics} for s in settings} for label in labels}
-    summary = {"labels": labels, "settings": [dataclasses.asdict(s) for s in settings],
+    kinds = {command: [r for r in rows if r["command"] == command] for command in (ROBOT, HUMAN_KEYPOINTS)}
+    by = {command: group(sel, "label", "setting") for command, sel in kinds.items()}
+    by_run = group(rows, "ckpt", "setting")
+    results = lambda command, metrics: {label: {s.name: {m: estimate(by[command].get((label, s.name), []), m,  # noqa
+        s.dr) for m in metrics} for s in settings} for label in labels}
+    summary = {"labels": labels, "checkpoints": {r["ckpt"]: r["label"] for r in rows},
+               "settings": [dataclasses.asdict(s) for s in settings],
                "clips": list(dict.fromkeys(r["clip"] for r in rows)), "reward_c": REWARD_C,
                "success_threshold_m": SUCCESS_THRESHOLD_M, "alpha": alpha, "notes": list(notes),
                "results": results(ROBOT, ALL_METRICS),
                "results_keypoint_commands": results(HUMAN_KEYPOINTS, KEYPOINT_METRICS),
-               "ttests": ttest_rows(rows, labels, [s.name for s in settings], alpha) if len(labels) > 1 else []}
+               "runs": {ckpt: {s.name: {m: estimate(by_run.get((ckpt, s.name), []), m, s.dr) for m in ALL_METRICS}
+                               for s in settings} for ckpt in dict.fromkeys(r["ckpt"] for r in rows)},
+               "comparisons": {command: comparison_rows(sel, labels, settings, alpha) if len(labels) > 1 else []
+                               for command, sel in kinds.items() if sel}}
     strict = json.loads(json.dumps(summary), parse_constant=lambda _: None)  # NaN, inf -> null (strict JSON)
     ssjr.write_atomic(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(strict, indent=1, allow_nan=False)))
     print(report)
@@ -404,11 +542,12 @@ def load_policy(path, device: str):
 
 def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
                seed: int) -> contextlib.closing:
-    """The checkpoint's env (teacher.build_env) with the setting's engine, DR and terrain, the evaluated motions and
-    frame-0 starts; closed on exit, also on an error (Isaac Lab allows one live env per process)."""
+    """The checkpoint's env (teacher.build_env) with the setting's engine, DR and terrain, the evaluated motions,
+    frame-0 starts (independent, paired episodes) and the paper's failure test (the bodies' mean error); closed on exit,
+    also on an error (Isaac Lab allows one live env per process)."""
     return contextlib.closing(teacher.build_env(
         env_cfg, num_envs, device, seed, sim=setting.sim, dr="default" if setting.dr else None, terrain=setting.terrain,
-        motions=[str(p) for p in motion_paths], start="frame0", exclude_test=False))
+        motions=[str(p) for p in motion_paths], start="frame0", exclude_test=False, termination="mean"))
 
 
 # --- 5. Rollouts. ---
@@ -483,10 +622,13 @@ def evaluate_seed(env, policy, ckpt: dict, path, label: str, setting: Setting, s
     teacher.check_layout(path, ckpt["obs_layout"], env.obs_layout, ckpt["obs_layout"])
     for rec in run_episodes(env, obs, policy, plan, max_steps):
         clip, command = clips[rec["clip"]], kinds[rec["clip"]]
+        metrics = episode_metrics(rec, command=command)
+        if rec["failed"]:  # an early end (the env's failure test or a blow-up) is never a success
+            metrics.update({k: 0.0 for k in ("success", "success_strict") if math.isfinite(metrics[k])})
         row = {"label": label, "ckpt": str(path), "kind": ckpt["kind"], "setting": setting.name, "sim": setting.sim,
                "dr": int(setting.dr), "terrain": setting.terrain, "seed": seed, "command": command,
                "motion": motion_name(clip), "clip": clip, "episode": rec["episode"], "steps": rec["steps"],
-               "duration_s": rec["steps"] * envs.CONTROL_DT_S, **episode_metrics(rec, command=command),
+               "duration_s": rec["steps"] * envs.CONTROL_DT_S, **metrics,
                "fell": float(rec["failed"]), "time_out": int(rec["time_out"]), "nan": int(rec["nan"]),
                "truncated": int(rec["truncated"]), "pushes": rec["pushes"],
                **{f"psi_{k}": v for k, v in rec["psi"].items()}}
@@ -497,21 +639,26 @@ def evaluate_seed(env, policy, ckpt: dict, path, label: str, setting: Setting, s
 def main(args: Args) -> dict:
     from tqdm import tqdm
     stems = [pathlib.Path(p).stem for p in args.ckpt]
-    labels = list(args.labels) or (stems if len(set(stems)) == len(stems) else list(args.ckpt))
-    if len(labels) != len(args.ckpt) or len(set(labels)) != len(labels):
-        raise InputError("--labels", f"one distinct name per checkpoint: {labels} for {list(args.ckpt)}")
-    if not (args.ckpt and args.seeds and min(args.num_envs, args.episodes) > 0) or len({*args.seeds}) < len(args.seeds):
-        raise InputError("--ckpt/--seeds/--num-envs/--episodes", "give checkpoints, distinct seeds, >= 1 env, episode")
+    ckpt_labels = list(args.labels) or (stems if len(set(stems)) == len(stems) else list(args.ckpt))
+    if len(ckpt_labels) != len(args.ckpt):
+        raise InputError("--labels", f"one name per checkpoint: {ckpt_labels} for {list(args.ckpt)}")
+    distinct = len({*args.seeds}) == len(args.seeds) and len({*args.ckpt}) == len(args.ckpt)
+    if not (args.ckpt and args.seeds and min(args.num_envs, args.episodes) > 0 and distinct):
+        raise InputError("--ckpt/--seeds/--num-envs/--episodes", "give distinct checkpoints, distinct seeds, >= 1 env, "
+                                                                 "episode")
+    labels = list(dict.fromkeys(ckpt_labels))
     train_sim = [teacher.load_checkpoint(p) for p in args.ckpt][0]["env_cfg"]["sim"]  # bad files fail here
     settings = [parse_setting(t, train_sim) for t in args.settings]
     motion_paths = resolve_motions(args.motions, args.packet_dir)
     clips, kinds = [p.stem for p in motion_paths], [ssjr.packet_kind(p) for p in motion_paths]
-    plan = episode_plan(min(args.num_envs, len(clips) * args.episodes), len(clips), args.episodes)
+    episodes = {s.name: args.episodes if s.dr else 1 for s in settings}  # without DR: near-identical starts
     rows = []
-    bar = tqdm(total=len(args.ckpt) * len(settings) * len(args.seeds) * len(clips) * args.episodes, unit="episode")
-    for path, label in zip(args.ckpt, labels):
+    bar = tqdm(total=len(args.ckpt) * len(args.seeds) * len(clips) * sum(episodes.values()), unit="episode")
+    for path, label in zip(args.ckpt, ckpt_labels):
         policy, ckpt = load_policy(path, args.device)
         for setting in settings:
+            n = episodes[setting.name]
+            plan = episode_plan(min(args.num_envs, len(clips) * n), len(clips), n)
             bar.set_description(f"{label} | {setting.name} | building the env")
             with opened_env(ckpt["env_cfg"], setting, motion_paths, len(plan), args.device, args.seeds[0]) as env:
                 for seed in args.seeds:
@@ -521,28 +668,29 @@ def main(args: Args) -> dict:
                         rows.append(row)
                         bar.update(1)
     bar.close()
-    order = {"label": labels, "setting": [s.name for s in settings], "clip": clips}
-    rows.sort(key=lambda r: (order["label"].index(r["label"]), order["setting"].index(r["setting"]), r["seed"],
+    order = {"ckpt": list(args.ckpt), "setting": [s.name for s in settings], "clip": clips}
+    rows.sort(key=lambda r: (order["ckpt"].index(r["ckpt"]), order["setting"].index(r["setting"]), r["seed"],
                              order["clip"].index(r["clip"]), r["episode"]))  # episodes finish in any order
-    notes = coverage_notes(rows, labels, settings, len(clips) * args.episodes * len(args.seeds), args.max_steps)
+    notes = coverage_notes(rows, list(args.ckpt), settings, {k: len(clips) * n * len(args.seeds)
+                                                             for k, n in episodes.items()}, args.max_steps)
     for note in notes:
         warnings.warn(note)
     return write_outputs(args.out_dir, rows, labels, settings, args.alpha, tuple(notes))
 
 
-def coverage_notes(rows: list[dict], labels: list[str], settings: list[Setting], planned: int,
+def coverage_notes(rows: list[dict], ckpts: list[str], settings: list[Setting], planned: dict[str, int],
                    max_steps: int) -> list[str]:
     """Blown-up (NaN) episodes, and planned episodes never reached (--max-steps caps each whole rollout)."""
-    notes, by = [], group(rows, "label", "setting")
-    for label in labels:
+    notes, by = [], group(rows, "ckpt", "setting")
+    for ckpt in ckpts:
         for s in settings:
-            sel = by.get((label, s.name), [])
+            sel, planned_here = by.get((str(ckpt), s.name), []), planned[s.name]
             if blown_up := sum(r["nan"] for r in sel):
-                notes.append(f"{label} | {s.name}: {blown_up} of {len(sel)} episodes blew up (NaN state); they count "
+                notes.append(f"{ckpt} | {s.name}: {blown_up} of {len(sel)} episodes blew up (NaN state); they count "
                              f"as failures and are left out of the error means")
-            if len(sel) < planned:
-                notes.append(f"{label} | {s.name}: {planned - len(sel)} of {planned} planned episodes not reached "
-                             f"within --max-steps {max_steps}")
+            if len(sel) < planned_here:
+                notes.append(f"{ckpt} | {s.name}: {planned_here - len(sel)} of {planned_here} planned episodes not "
+                             f"reached within --max-steps {max_steps}")
     return notes
 
 

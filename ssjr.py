@@ -296,7 +296,7 @@ class G1Kinematics:
 
 
 # --- 4. SSJR command Y_t (the one place it is computed: env, evaluate, ONNX export): the command's keypoints over the
-#    window t-7..t+2 in the heading frame of the ROBOT's root at t, so root drift is observable and corrected; the
+#    window t-7..t+4 in the heading frame of the ROBOT's root at t, so root drift is observable and corrected; the
 #    price is that deployment needs a root pose estimate (odometry or mocap, yaw from the IMU) in the command's frame.
 def keypoint_command(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> torch.Tensor:
     """Y_t [...,H,J*3] (metres) from the command's world keypoints [...,H,J,3] (KEYPOINT_NAMES order, z up) and the

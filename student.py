@@ -8,7 +8,7 @@
 
 Student. alpha_2 = f2(m_t, s_sparse, g_t, Y_sparse) sees only what the robot has: s_sparse = `student_proprio` (joint
 positions and velocities, IMU angular velocity and projected gravity, last PD target; steps t-7..t), the terrain context
-g_t, the SSJR sparse keypoint command Y_sparse = `student_keypoints` (root-relative keypoints at t-7..t+2: 8 past + 2
+g_t, the SSJR sparse keypoint command Y_sparse = `student_keypoints` (root-relative keypoints at t-7..t+4: 8 past + 4
 future steps; ssjr.keypoint_command) and m_t, the HCDR token over the (s, alpha) history H_t. The backbone is the
 teacher's (teacher.TokenPolicy, the teacher's sizes unless overridden). The student cannot see the reference joint
 positions the teacher's residual action is centred on, so it outputs the absolute PD target alpha.
@@ -16,8 +16,10 @@ positions the teacher's residual action is centred on, so it outputs the absolut
 Online DAgger. Each iteration the student drives `num_envs` x `num_steps` control steps (with probability beta per env
 and step the executed action is the teacher's instead; beta = beta_0 * beta_decay^(iteration-1), default 0 as in the
 authors' earlier code), the frozen teacher labels every visited state with alpha_1 = teacher.act(obs) from the
-privileged observations the env returns alongside, and the student regresses onto the labels of this rollout:
-loss = MSE(alpha_2, alpha_1), `update_epochs` passes of minibatches.
+privileged observations the env returns alongside, and the student regresses onto the labels: loss = MSE(alpha_2,
+alpha_1). DAgger aggregates its data set: the regression draws its minibatches from the samples of the last
+`buffer_iterations` rollouts (1: the newest only), `update_epochs` x one rollout's worth of samples per iteration, with
+the learning rate decayed linearly to 0 over the budget (the last weights average many small steps).
 
 Choices where the paper is silent:
 - Nominal pose: TokenPolicy zero-initializes its head, so the student adds a fixed bias alpha_0 = the mean reference
@@ -63,6 +65,9 @@ class Args(teacher.RunArgs):
     minibatch_size: int = 2048
     update_epochs: int = 6
     max_grad_norm: float = 1.0
+    buffer_iterations: int = 1
+    """DAgger's data set: the (student inputs, teacher label) samples of the last this many rollouts (not checkpointed:
+    a resumed run refills it)"""
     teacher_ckpt: str = ""
     """the frozen teacher (teacher.py checkpoint); it also fixes the env configuration"""
     sim: str = ""
@@ -73,7 +78,7 @@ class Args(teacher.RunArgs):
     """m_t of the student: the teacher's HCDR trained on with the DAgger loss | the teacher's, frozen | its own from
     scratch (ablation) | none (the 'w/o HCDR' ablation)"""
     lr: float = 2e-5
-    """Adam learning rate"""
+    """Adam learning rate at the start, decayed linearly to 0 at total_env_steps"""
     beta: float = 0.0
     """beta_0: probability that the executed action is the teacher's (0: the student drives from the start)"""
     beta_decay: float = 1.0
@@ -100,8 +105,10 @@ class Args(teacher.RunArgs):
 
 PRESETS = {
     "paper": Args(),
-    "cpu": Args(preset="cpu", device="cpu", num_envs=16, total_env_steps=100_000, num_steps=24,
-                update_epochs=6, minibatch_size=128, lr=3e-4, checkpoint_every=20, torch_threads=1),
+    # the teacher preset's envs and performance mode (about its env-steps/s); 8 rollouts of samples to regress on
+    "cpu": Args(preset="cpu", device="cpu", num_envs=64, performance_mode=True, total_env_steps=300_000, num_steps=24,
+                buffer_iterations=8, update_epochs=2, minibatch_size=512, lr=3e-4, checkpoint_every=20,
+                torch_threads=1),
 }
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "ff_dim", "head_dim", "terrain_dim", "hcdr_queries", "hcdr_dim",
                "hcdr_layers")  # None in Args: the teacher checkpoint's value
@@ -148,17 +155,16 @@ def freeze_hcdr(policy: StudentPolicy):
     policy.actor.history_frozen = True
 
 
-def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch.Tensor, args: Args,
-                  amp=contextlib.nullcontext, world: int = 1) -> list[float]:
-    """update_epochs passes of minibatch MSE(alpha_2, alpha_1) over the rollout; returns the mean loss of each pass
-    (read from the device once, at the end)."""
+def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch.Tensor, per_epoch: int,
+                  args: Args, amp=contextlib.nullcontext, world: int = 1) -> list[float]:
+    """update_epochs passes of minibatch MSE(alpha_2, alpha_1), each over `per_epoch` samples drawn without replacement
+    from the data set (b_obs, b_labels); returns the mean loss of each pass (read from the device once, at the end)."""
     policy.train()
-    num = len(b_labels)
     epoch_losses = []
     for _ in range(args.update_epochs):
-        perm = torch.randperm(num, device=b_labels.device)
+        perm = torch.randperm(len(b_labels), device=b_labels.device)[:per_epoch]
         losses = []
-        for start in range(0, num, args.minibatch_size):
+        for start in range(0, per_epoch, args.minibatch_size):
             mb = perm[start:start + args.minibatch_size]
             with amp():
                 loss = (policy({k: v[mb] for k, v in b_obs.items()}) - b_labels[mb]).pow(2).mean()
@@ -243,10 +249,11 @@ def train(args: Args, env=None) -> pathlib.Path:
               "charts/success_rate": "success rate (episodes reaching the clip end)"}
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
-    # ALGO LOGIC: storage (the rollout's student inputs and teacher labels)
+    # ALGO LOGIC: storage (DAgger's data set: student inputs and teacher labels of the last buffer_iterations rollouts)
     n, T = args.num_envs, args.num_steps
-    buf_obs = {k: torch.zeros((T, n, *layout[k]), dtype=obs[k].dtype, device=device) for k in STUDENT_OBS}
-    labels = torch.zeros(T, n, 29, device=device)
+    capacity = args.buffer_iterations * T * n
+    data_obs = {k: torch.zeros((capacity, *layout[k]), dtype=obs[k].dtype, device=device) for k in STUDENT_OBS}
+    data_labels = torch.zeros(capacity, 29, device=device)
     ep_len = torch.zeros(n, device=device)
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
 
@@ -256,6 +263,9 @@ def train(args: Args, env=None) -> pathlib.Path:
         while global_step + per_iteration <= args.total_env_steps and not stopping():
             iteration += 1
             beta = args.beta * args.beta_decay ** (iteration - 1)
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr * (1.0 - global_step / args.total_env_steps)
+            oldest = (iteration - 1) % args.buffer_iterations * T * n  # this rollout replaces the oldest one
             # per-iteration sums on the device (read once per iteration): action mse, g-mpjpe, teacher-driven steps
             step_sums = torch.zeros(3, device=device)
             episode_sums = torch.zeros(3, device=device)  # episodes, length, successes
@@ -264,9 +274,10 @@ def train(args: Args, env=None) -> pathlib.Path:
                     policy.actor.update_norms(obs)
                     alpha_2 = policy(obs)
                     alpha_1 = teacher_agent.act(obs)  # DAgger label of the visited state (privileged observations)
+                rows = slice(oldest + step * n, oldest + (step + 1) * n)
                 for k in STUDENT_OBS:
-                    buf_obs[k][step] = obs[k]
-                labels[step] = alpha_1
+                    data_obs[k][rows] = obs[k]
+                data_labels[rows] = alpha_1
                 use_teacher = torch.rand(n, device=device) < beta
                 obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, alpha_2))
                 ep_len += 1
@@ -278,10 +289,11 @@ def train(args: Args, env=None) -> pathlib.Path:
                 ep_len *= 1.0 - ended
             global_step += per_iteration
 
-            # ALGO LOGIC: regress alpha_2 onto alpha_1 over the rollout
-            flat = lambda x: x.reshape(n * T, *x.shape[2:])
-            epoch_losses = dagger_update(policy, optimizer, {k: flat(v) for k, v in buf_obs.items()}, flat(labels),
-                                         args, amp, world)
+            # ALGO LOGIC: regress alpha_2 onto alpha_1 over the data set (the rollouts collected so far, at most
+            # buffer_iterations)
+            filled = min(iteration, args.buffer_iterations) * T * n
+            epoch_losses = dagger_update(policy, optimizer, {k: v[:filled] for k, v in data_obs.items()},
+                                         data_labels[:filled], T * n, args, amp, world)
 
             # logging: one host read (means over the ranks, episode sums over all)
             totals = torch.cat([episode_sums, env.nan_resets.float()[None]])
@@ -294,7 +306,8 @@ def train(args: Args, env=None) -> pathlib.Path:
             scalars = {"charts/action_mse": action_mse, "charts/success_rate": success,
                        "charts/episode_length": length, "charts/gt_err_mm": 1000 * gt_err_m, "charts/beta": beta,
                        "charts/teacher_action_fraction": teacher_fraction, "charts/nan_resets": nan_resets,
-                       "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1]}
+                       "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1],
+                       "losses/lr": optimizer.param_groups[0]["lr"]}
             end_iteration(global_step, iteration, scalars,
                           f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | "
                           f"success {success:.2f} | g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f}")
@@ -319,7 +332,7 @@ DEPLOY_INPUTS = {
     "student_proprio": "[N, 8, 93] steps t-7..t: joint pos (29, rad), joint vel (29, rad/s), IMU angular velocity in "
                        "the pelvis frame (3, rad/s), gravity direction in the pelvis frame (3, unit), the PD target "
                        "alpha sent in the step before (29, rad)",
-    "keypoints_w": "[N, 10, J, 3] the command's keypoints at t-7..t+2 (m, world frame, z up), 30 fps SSJR packets "
+    "keypoints_w": "[N, 12, J, 3] the command's keypoints at t-7..t+4 (m, world frame, z up), 30 fps SSJR packets "
                    "resampled to 50 Hz",
     "root_pos_w": "[N, 3] the robot's pelvis position at t (m), estimated in the command's world frame",
     "root_quat_w": "[N, 4] the robot's pelvis orientation at t (wxyz; only its yaw is used), same frame",

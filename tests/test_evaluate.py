@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402
@@ -71,6 +72,7 @@ def test_constant_offset(fk, offset_m, success):
     shifted = pos + torch.tensor([0.0, offset_m, 0.0], dtype=torch.float64)
     m = ev.episode_metrics(rec(shifted, quat, pos, quat))
     assert m["success"] == success
+    assert m["success_strict"] == success
     assert m["g_mpjpe_mm"] == pytest.approx(1000 * offset_m, abs=1e-6)
     assert m["max_gte_m"] == pytest.approx(offset_m, abs=1e-9)
     assert m["mpjpe_mm"] == pytest.approx(0.0, abs=1e-6)  # a rigid translation keeps the local pose
@@ -91,13 +93,17 @@ def test_moving_rigid_translation_mpjpe_zero_gmpjpe_positive(fk):
         assert m[k] == pytest.approx(1.0), k
 
 
-def test_one_body_off_fails_by_the_max_over_bodies(fk):
+def test_one_body_1m_off_succeeds_by_the_papers_gte_and_fails_the_strict_test(fk):
     pos, quat = motion(fk)
     moved = pos.clone()
-    moved[:, 22, 2] += 0.6  # left wrist 0.6 m off: GTE_t is the largest body error
+    moved[:, 22, 2] += 1.0  # left wrist 1 m off, the rest exact: GTE_t = 1 m / 30 bodies
     m = ev.episode_metrics(rec(moved, quat, pos, quat))
-    assert m["success"] == 0.0
-    assert m["g_mpjpe_mm"] == pytest.approx(600.0 / 30, rel=1e-9)
+    assert m["success"] == 1.0 and m["success_strict"] == 0.0
+    assert m["max_gte_m"] == pytest.approx(1.0 / 30, rel=1e-9)
+    assert m["g_mpjpe_mm"] == pytest.approx(1000.0 / 30, rel=1e-9)
+    assert m["steps"] == len(pos)
+    moved[:, :16] += torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)  # half the bodies 1 m off: GTE_t > 0.5 m
+    assert ev.episode_metrics(rec(moved, quat, pos, quat))["success"] == 0.0
 
 
 def test_heading_rotation_gives_expected_gr_err_and_zero_mpjpe(fk):
@@ -181,15 +187,63 @@ def test_paired_ttest_degenerate_cases():
     assert df == 3
 
 
-def test_paired_comparison_pairs_episodes_by_clip_seed_and_episode():
+def test_pairs_match_episodes_by_clip_seed_and_episode():
     ref = [{"clip": c, "seed": s, "episode": e, "x": float(10 * c + s + e)} for c in range(3) for s in (0, 1)
            for e in (0, 1)]
     other = [dict(r, x=r["x"] + 1.0 + 0.1 * r["seed"]) for r in reversed(ref)]  # same episodes, in another order
     other.append({"clip": 9, "seed": 0, "episode": 0, "x": 1e6})  # no partner: left out
-    by = {("A", "s"): ref, ("B", "s"): other}
-    t, p, df = ev.paired_comparison(by, "x", "s", "B", "A")
-    assert df == 11 and t > 0 and p < 1e-6
-    assert (t, p, df) == ev.paired_ttest([r["x"] for r in other[:-1]], [r["x"] for r in reversed(ref)])
+    a, b = ev.pairs(other, ref, "x")
+    assert len(a) == 12 and np.allclose(np.sort(a - b), [1.0] * 6 + [1.1] * 6)
+
+
+def test_wilson_interval_textbook_values():
+    # Newcombe (1998), Table I: 81/263 -> 0.2553, 0.3662; 15/148 -> 0.0624, 0.1605; 0/20 -> 0, 0.1611
+    for (k, n), (lo, hi) in {(81, 263): (0.2553, 0.3662), (15, 148): (0.0624, 0.1605),
+                             (0, 20): (0.0, 0.1611)}.items():
+        assert ev.wilson(k, n) == pytest.approx((lo, hi), abs=1e-4)
+    assert ev.wilson(20, 20)[1] == 1.0 and ev.wilson(20, 20)[0] == pytest.approx(1 - 0.1611, abs=1e-4)
+
+
+def test_mcnemar_exact_test():
+    # 10 pairs discordant 9 to 1: two-sided binomial p = 2 * (1 + 10) / 2^10
+    a = [1] * 9 + [0] * 1 + [1] * 20
+    b = [0] * 9 + [1] * 1 + [1] * 20
+    assert ev.mcnemar(a, b) == pytest.approx(22 / 1024)
+    assert ev.mcnemar([1, 0, 1], [1, 0, 1]) == 1.0  # no discordant pair
+
+
+def row(ckpt, clip, episode, success, steps=100.0, seed=0):
+    return {"ckpt": ckpt, "clip": clip, "seed": seed, "episode": episode, "success": float(success),
+            "steps": float(steps)}
+
+
+def test_estimate_one_run_independent_nominal_and_several_runs():
+    one = [row("a", 0, e, e < 30) for e in range(40)]
+    e = ev.estimate(one, "success", independent=True)
+    assert e["mean"] == 75.0 and e["n"] == 40 and e["runs"] == 1
+    assert (e["lo"], e["hi"]) == pytest.approx(tuple(100 * x for x in ev.wilson(30, 40)))
+    nominal = ev.estimate(one, "success", independent=False)
+    assert nominal["mean"] == 75.0 and math.isnan(nominal["lo"])  # near-identical starts: no interval
+    runs = [row(c, 0, e, e < k) for c, k in (("a", 4), ("b", 6), ("c", 8)) for e in range(10)]
+    e = ev.estimate(runs, "success", independent=True)  # the run is the unit: 40 %, 60 %, 80 %
+    half = stats.t.ppf(0.975, 2) * 20.0 / math.sqrt(3)
+    assert e["runs"] == 3 and e["mean"] == pytest.approx(60.0) and (e["lo"], e["hi"]) == pytest.approx((60 - half,
+                                                                                                       60 + half))
+    assert "(3 runs)" in ev._cell(runs, "success", True) and "near-identical" in ev._cell(one, "success", False)
+
+
+def test_compare_paired_episodes_and_runs():
+    teacher = [row("t", 0, e, e < 30) for e in range(40)]
+    student = [row("s", 0, e, e < 20) for e in range(40)]  # fails 10 of the teacher's successes, no other change
+    c = ev.compare(student, teacher, "success", independent=True)
+    assert c["diff"] == pytest.approx(-25.0) and c["n"] == 40 and c["test"] == "McNemar"
+    assert c["p"] == pytest.approx(2 / 1024) and c["lo"] < -25 < c["hi"] < 0
+    assert math.isnan(ev.compare(student, teacher, "success", independent=False)["p"])
+    runs = [row(f"s{k}", 0, e, e < 30 - k) for k in (0, 2, 4) for e in range(40)]  # -0, -5, -10 points
+    c = ev.compare(runs, teacher, "success", independent=True)
+    assert c["runs"] == 3 and c["diff"] == pytest.approx(-5.0) and c["test"] == "t over 3 runs"
+    half = stats.t.ppf(0.975, 2) * 5.0 / math.sqrt(3)
+    assert (c["lo"], c["hi"]) == pytest.approx((-5 - half, -5 + half))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -247,38 +301,44 @@ def fake_rows(labels=("HoRD", "w/o HCDR"), settings=("isaaclab", "genesis+dr"), 
                 for clip in clips:
                     for e in range(episodes):
                         g = 100.0 + 300.0 * li + 10 * seed + rng.normal()
-                        full = {"success": float(li == 0 or e == 0), "g_mpjpe_mm": g, "mpjpe_mm": g / 2,
+                        full = {"success": float(li == 0 or e == 0), "success_strict": float(li == 0 and e == 0),
+                                "g_mpjpe_mm": g, "mpjpe_mm": g / 2,
                                 "gr_err_rad": 0.1, "gr_err_deg": math.degrees(0.1), "dv_rew": 0.9, "kb_rew": 0.8,
                                 "lr_rew": 0.7, "rv_rew": 0.6, "rav_rew": 0.5}
                         if command == ev.HUMAN_KEYPOINTS:
                             full = dict.fromkeys(full, math.nan)
-                        rows.append({"label": label, "setting": setting, "seed": seed, "command": command,
-                                     "motion": clip[0], "clip": clip, "episode": e, **full,
+                        rows.append({"label": label, "ckpt": f"{label}.pt", "setting": setting, "seed": seed,
+                                     "command": command, "motion": clip[0], "clip": clip, "episode": e, **full,
                                      "keypoint_err_mm": g / 3, "fell": float(li == 1 and e == 1),
+                                     "steps": 100.0 - 60.0 * (li == 1 and e == 1),
                                      "pushes": int(e == 1 and "dr" in setting), "truncated": 0})
     return rows
-
-
-def test_seed_stats_known_values():
-    rows = [{"seed": s, "x": v, "success": float(v > 1)} for s, v in [(0, 1.0), (0, 3.0), (1, 4.0), (1, 6.0)]]
-    assert ev.seed_stats(rows, "x") == pytest.approx((3.5, math.sqrt(4.5), 2))  # seed means 2 and 5
-    assert ev.seed_stats(rows, "success") == pytest.approx((75.0, math.sqrt(1250), 2))
-    assert ev.seed_stats(rows[:2], "x") == (2.0, 0.0, 1)
-    assert ev.seed_stats([], "x")[2] == 0
 
 
 def test_table1_shape_and_significance_flags():
     rows = fake_rows()
     settings = [ev.parse_setting(s, "isaaclab") for s in ("isaaclab", "genesis+dr")]
-    md = ev.table1_markdown(rows, ["HoRD", "w/o HCDR"], settings, 0.01)
+    md = ev.table1_markdown(rows, ["HoRD", "w/o HCDR"], settings, 0.05)
     lines = md.strip().splitlines()
     assert len(lines) == 4  # header, rule, one row per checkpoint
-    assert all(line.count("|") == 1 + 3 * 2 + 1 for line in lines)
+    assert all(line.count("|") == 1 + 4 * 2 + 1 for line in lines)
     assert "IsaacLab (ID) Succ. (%)↑" in lines[0] and "Genesis+DR (OOD) mpjpe (mm)↓" in lines[0]
-    hord, ablation = (line.split("|")[1:-1] for line in lines[2:])
-    assert hord[1].strip() == "100.0 ± 0.0" and "*" not in "".join(hord)
-    assert ablation[1].strip() == "50.0 ± 0.0 *"  # success 100 % vs 50 %: p << 0.01 over 12 pairs
-    assert ablation[2].strip().endswith("*")  # g-mpjpe +300 mm
+    hord, ablation = ([c.strip() for c in line.split("|")[1:-1]] for line in lines[2:])
+    assert hord[1] == "100.0 (12 near-identical starts)" and "*" not in "".join(hord)  # nominal: no interval
+    lo, hi = (f"{100 * x:.1f}" for x in ev.wilson(6, 12))
+    assert ablation[5] == f"50.0 [{lo}, {hi}] *"  # +DR: Wilson; 6 discordant pairs: McNemar p = 2/64 < 0.05
+    assert ablation[1] == "50.0 (12 near-identical starts)"  # no test on near-identical starts
+    assert ablation[6].startswith("70 [") and ablation[6].endswith("*")  # steps: 100 or 40
+    assert ablation[7].endswith("*")  # g-mpjpe +300 mm
+
+
+def test_comparisons_cover_every_pair_of_labels():
+    labels = ["teacher", "student", "w/o HCDR"]
+    settings = [ev.parse_setting("genesis+dr", "genesis")]
+    cs = ev.comparison_rows(fake_rows(labels=labels, settings=("genesis+dr",)), labels, settings, 0.01, ("success",))
+    assert [(c["label"], c["reference"]) for c in cs] == [("student", "teacher"), ("w/o HCDR", "teacher"),
+                                                          ("w/o HCDR", "student")]
+    assert [c["diff"] for c in cs] == [-50.0, -50.0, 0.0]  # fake_rows: every label after the first fails episode 1
 
 
 def test_report_csv_and_files(tmp_path):
@@ -288,21 +348,32 @@ def test_report_csv_and_files(tmp_path):
     summary = ev.write_outputs(tmp_path, rows, labels, settings, 0.01)
     report = (tmp_path / "table.md").read_text()
     for title in ("## Table 1", "## Terrain", "## Push recovery", "## All metrics: Genesis+DR (OOD)",
-                  "## Per motion: IsaacLab (ID)", "## Paired t-tests"):
+                  "## Per motion: IsaacLab (ID)", "## Paired comparisons: robot motions"):
         assert title in report
+    assert "## Runs" not in report  # one checkpoint per label
     push = report.split("## Push recovery")[1].split("##")[0]
-    assert "| HoRD | 100.0 ± 0.0 [6/12] |" in push  # pushed = episode 1 of 3 clips x 2 seeds
-    assert "| w/o HCDR | 0.0 ± 0.0 [6/12] |" in push  # the ablation fails exactly its pushed episodes
-    assert "2 motions (3 clips), 2 seed(s), 12 episodes" in report
+    lo, hi = (f"{100 * x:.1f}" for x in ev.wilson(6, 6))
+    assert f"| HoRD | 100.0 [{lo}, {hi}] [6/12] |" in push  # pushed = episode 1 of 3 clips x 2 seeds
+    assert "| w/o HCDR | 0.0 [0.0, " in push and "[6/12] |" in push  # it fails exactly its pushed episodes
+    assert "2 motions (3 clips), 2 seed(s); per checkpoint: isaaclab 12 near-identical starts, genesis 12 " \
+           "near-identical starts, genesis+dr 12 independent episodes" in report
     assert "Human keypoint commands" not in report
     all_metrics = report.split("## All metrics: Genesis+DR (OOD)")[1].split("##")[0]
-    assert "| keypoint_err_mm ↓ |" in all_metrics and "| fell (%) ↓ | 0.0 ± 0.0 | 50.0 ± 0.0 |" in all_metrics
+    assert "| keypoint_err_mm ↓ |" in all_metrics and "| fell (%) ↓ | 0.0 [0.0, 24.2] | 50.0 [25.4, 74.6] |" in \
+        all_metrics
+    assert "| success_strict (%) ↑ | 50.0 [25.4, 74.6] | 0.0 [0.0, 24.2] |" in all_metrics
     per_motion = report.split("## Per motion: IsaacLab (ID)")[1].split("##")[0]
     assert [line.split("|")[1].strip() for line in per_motion.strip().splitlines()[2:]] == ["a", "b"]
     lines = (tmp_path / "episodes.csv").read_text().splitlines()
-    assert len(lines) == 1 + len(rows) and lines[0].startswith("label,setting,seed,command,motion,clip,episode,success")
-    assert json.loads((tmp_path / "summary.json").read_text())["results"]["HoRD"]["isaaclab"]["success"]["mean"] == 100
-    assert summary["ttests"] and all(t["reference"] == "HoRD" for t in summary["ttests"])
+    assert len(lines) == 1 + len(rows) and lines[0].startswith("label,ckpt,setting,seed,command,motion,clip,episode")
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["results"]["HoRD"]["isaaclab"]["success"]["mean"] == 100
+    assert saved["results"]["w/o HCDR"]["genesis+dr"]["success"]["lo"] == pytest.approx(100 * ev.wilson(6, 12)[0])
+    assert saved["runs"]["w/o HCDR.pt"]["genesis+dr"]["success"]["n"] == 12
+    comparisons = summary["comparisons"][ev.ROBOT]
+    assert comparisons and all(c["reference"] == "HoRD" for c in comparisons)
+    dr_success = next(c for c in comparisons if c["setting"] == "genesis+dr" and c["metric"] == "success")
+    assert dr_success["test"] == "McNemar" and dr_success["diff"] == -50.0 and dr_success["n"] == 12
     assert not [p for p in tmp_path.rglob(".tmp-*")]
 
 
@@ -316,22 +387,23 @@ def test_keypoint_command_report_shows_keypoint_error_and_falls_only(tmp_path):
     assert "## Table 1" not in report and "## All metrics" not in report and "## Per motion" not in report
     section = report.split("## Human keypoint commands")[1].split("##")[0]
     assert "instead of the full-body metrics" in section and "Genesis (OOD) keypoint err (mm)↓" in section
-    assert "| HoRD | 35 ± 2 | 0.0 ± 0.0 |" in section  # keypoint error: seed means ~33.3 and ~36.7 mm
-    assert "| w/o HCDR | 135 ± 3 * | 50.0 ± 0.0 |" in section  # +100 mm: p << 0.01; falls in every episode 1
+    assert "| HoRD | 35 | 0.0 (8 near-identical starts) | 100 |" in section  # nominal: means only
+    assert "| w/o HCDR | 135 | 50.0 (8 near-identical starts) | 70 | 135 [133, 137] * | 50.0 [21.5, 78.5] |" in section
     push = report.split("## Push recovery: human keypoint commands")[1].split("##")[0]
-    assert "| w/o HCDR | 100.0 ± 0.0 [4/8] |" in push  # the ablation falls in every pushed episode
-    tests = report.split("## Paired t-tests")[1]
-    assert {line.split("|")[4].strip() for line in tests.strip().splitlines()[2:]} == {"keypoint_err_mm", "fell"}
+    assert "| w/o HCDR | 100.0 [51.0, 100.0] [4/8] |" in push  # the ablation falls in every pushed episode
+    tests = report.split("## Paired comparisons: human keypoint commands")[1]
+    assert {line.split("|")[4].strip() for line in tests.strip().splitlines()[2:]} == {"keypoint_err_mm", "fell",
+                                                                                       "steps"}
     assert summary["results_keypoint_commands"]["w/o HCDR"]["genesis"]["fell"]["mean"] == 50.0
-    assert summary["results"]["HoRD"]["genesis"]["g_mpjpe_mm"]["n_seeds"] == 0  # no robot-motion episodes
+    assert summary["results"]["HoRD"]["genesis"]["g_mpjpe_mm"]["n"] == 0  # no robot-motion episodes
 
 
 def test_mixed_robot_and_keypoint_commands_are_reported_apart(tmp_path):
     rows = fake_rows(settings=("isaaclab",)) + fake_rows(settings=("isaaclab",), clips=("c",),
                                                          command=ev.HUMAN_KEYPOINTS)
     report = ev.report_markdown(rows, ["HoRD", "w/o HCDR"], [ev.parse_setting("isaaclab", "isaaclab")], 0.01)
-    assert "Robot motions (SSJR packets): 2 motions (3 clips), 2 seed(s), 12 episodes" in report
-    assert "## Human keypoint commands\n\n1 motions (1 clips), 2 seed(s), 4 episodes" in report
+    assert "Robot motions (SSJR packets): 2 motions (3 clips), 2 seed(s); per checkpoint: isaaclab 12 " in report
+    assert "## Human keypoint commands\n\n1 motions (1 clips), 2 seed(s); per checkpoint: isaaclab 4 " in report
     per_motion = report.split("## Per motion: IsaacLab (ID)")[1].split("##")[0]
     assert [line.split("|")[1].strip() for line in per_motion.strip().splitlines()[2:]] == ["a", "b"]
     per_command = report.split("## Per command: IsaacLab (ID)")[1].split("##")[0]
@@ -461,7 +533,8 @@ def test_keypoint_command_metrics():
     human = ev.episode_metrics(rec(moved, quat, pos, quat), command=ev.HUMAN_KEYPOINTS)
     assert robot["keypoint_err_mm"] == human["keypoint_err_mm"] == pytest.approx(50.0)
     assert robot["g_mpjpe_mm"] > 0 and all(math.isnan(human[m]) for m in ev.METRICS)
-    assert robot["max_gte_m"] == pytest.approx(0.3) and math.isnan(human["max_gte_m"])  # the filler body counts
+    gte = (len(ssjr.KEYPOINT_BODY_IDS) * 0.05 + 0.3) / 30  # the bodies' mean: the filler body counts
+    assert robot["max_gte_m"] == pytest.approx(gte) and math.isnan(human["max_gte_m"])
     assert robot["max_keypoint_err_m"] == human["max_keypoint_err_m"] == pytest.approx(0.05)  # the env's test there
 
 
@@ -501,7 +574,8 @@ def test_opened_env_is_the_checkpoint_env_cfg_with_the_setting_overrides(monkeyp
         with ev.opened_env(cfg, setting, [pathlib.Path("x.npz")], 3, "cpu", 7) as env:
             assert not env.closed
         assert made[-1] == ({"sim": setting.sim, "motions": ["x.npz"], "terrain": setting.terrain, "dr": dr,
-                             "num_envs": 3, "device": "cpu", "seed": 7, "start": "frame0", "exclude_test": False}, env)
+                             "num_envs": 3, "device": "cpu", "seed": 7, "start": "frame0", "exclude_test": False,
+                             "termination": "mean"}, env)
         assert env.closed
     with pytest.raises(RuntimeError, match="boom"), ev.opened_env(cfg, setting, [], 3, "cpu", 7):
         raise RuntimeError("boom")
@@ -556,14 +630,17 @@ def test_main_end_to_end_on_scripted_envs(tmp_path, monkeypatch):
     assert summary["labels"] == ["HoRD", "HoRD w/o HCDR"] and summary["clips"] == ["a_seg00", "a_seg01", "b"]
     assert [s["name"] for s in summary["settings"]] == ["isaaclab", "genesis+dr"]
     csv_lines = (tmp_path / "out" / "episodes.csv").read_text().splitlines()
-    assert len(csv_lines) == 1 + 2 * 2 * 2 * 3 * 2  # header + ckpts x settings x seeds x clips x episodes
-    # clip "a_seg00" episode 0 is the one env 0 fails at step 2 for the ablation; its body error is 0.1 m though,
-    # so the env's failure does not make it a strict-success failure: success is the metric, fell a column
-    assert summary["results"]["HoRD w/o HCDR"]["isaaclab"]["success"]["mean"] == 100.0
-    assert summary["results"]["HoRD w/o HCDR"]["isaaclab"]["fell"]["mean"] == pytest.approx(100 / 6)
+    # header + ckpts x seeds x clips x (1 episode without DR + 2 with)
+    assert len(csv_lines) == 1 + 2 * 2 * 3 * (1 + 2)
+    # clip "a_seg00" episode 0 is the one env 0 fails at step 2 for the ablation; its body error is 0.1 m, but an
+    # early end is never a success
+    assert summary["results"]["HoRD w/o HCDR"]["isaaclab"]["success"]["mean"] == pytest.approx(400 / 6)
+    assert summary["results"]["HoRD w/o HCDR"]["isaaclab"]["fell"]["mean"] == pytest.approx(200 / 6)
+    assert summary["results"]["HoRD w/o HCDR"]["genesis+dr"]["success"]["n"] == 12
     report = (tmp_path / "out" / "table.md").read_text()
     assert "| HoRD w/o HCDR |" in report
-    assert "| HoRD | 100.0 ± 0.0 [12/12] |" in report.split("## Push recovery")[1]  # every episode lasts >= 2 steps
+    lo, hi = (f"{100 * x:.1f}" for x in ev.wilson(12, 12))
+    assert f"| HoRD | 100.0 [{lo}, {hi}] [12/12] |" in report.split("## Push recovery")[1]  # all last >= 2 steps
     assert "cut short" not in report
 
 
@@ -576,18 +653,19 @@ def test_main_notes_the_episodes_max_steps_cut_off(tmp_path, monkeypatch):
     args = dataclasses.replace(args, max_steps=3, out_dir=str(tmp_path / "out3"))
     with pytest.warns(UserWarning, match="not reached"):
         summary = ev.main(args)  # nothing ends within 3 steps: clip b (env 0's second episode) is never reached
-    assert summary["notes"][0] == "HoRD | isaaclab: 2 of 6 planned episodes not reached within --max-steps 3"
-    assert not any(n.startswith("HoRD w/o HCDR | isaaclab") for n in summary["notes"])  # env 0 fails at step 2
+    hord, ablation = args.ckpt
+    assert summary["notes"][0] == f"{hord} | isaaclab: 2 of 6 planned episodes not reached within --max-steps 3"
+    assert not any(n.startswith(f"{ablation} | isaaclab") for n in summary["notes"])  # env 0 fails at step 2
     report = (tmp_path / "out3" / "table.md").read_text()
     assert "**Notes**" in report and "; 16 of all 20 recorded episodes were cut short by --max-steps" in report
 
 
 def test_blown_up_episodes_are_counted_in_the_notes():
     settings = [ev.parse_setting(s, "genesis") for s in ("genesis", "genesis+dr")]
-    rows = [{"label": "HoRD", "setting": s.name, "clip": "a", "motion": "a", "seed": 0, "episode": e,
-             "nan": int(s.dr and e == 1)} for s in settings for e in range(2)]
-    notes = ev.coverage_notes(rows, ["HoRD"], settings, planned=2, max_steps=0)
-    assert notes == ["HoRD | genesis+dr: 1 of 2 episodes blew up (NaN state); they count as failures and are left "
+    rows = [{"label": "HoRD", "ckpt": "hord.pt", "setting": s.name, "clip": "a", "motion": "a", "seed": 0,
+             "episode": e, "nan": int(s.dr and e == 1)} for s in settings for e in range(2)]
+    notes = ev.coverage_notes(rows, ["hord.pt"], settings, planned={s.name: 2 for s in settings}, max_steps=0)
+    assert notes == ["hord.pt | genesis+dr: 1 of 2 episodes blew up (NaN state); they count as failures and are left "
                      "out of the error means"]
 
 
@@ -612,13 +690,14 @@ def test_main_on_human_keypoint_commands(tmp_path, monkeypatch):
     assert summary["results_keypoint_commands"]["HoRD"]["isaaclab"]["keypoint_err_mm"]["mean"] == pytest.approx(100)
     assert summary["results"]["HoRD"]["isaaclab"]["g_mpjpe_mm"]["mean"] == pytest.approx(200)  # clip 1: 0.2 m
     # the ablation's env 0 falls at step 2 of its first episode after each reseed: command 131_01_seg00, episode 0
-    assert summary["results_keypoint_commands"]["HoRD w/o HCDR"]["isaaclab"]["fell"]["mean"] == pytest.approx(50)
+    assert summary["results_keypoint_commands"]["HoRD w/o HCDR"]["isaaclab"]["fell"]["mean"] == pytest.approx(100)
     report = (tmp_path / "out" / "table.md").read_text()
     assert "## Human keypoint commands" in report
     per_command = report.split("## Per command: IsaacLab (ID)")[1].split("##")[0].strip().splitlines()
-    assert per_command[0] == ("| Motion | HoRD keypoint err (mm)↓ | HoRD falls (%)↓ | HoRD w/o HCDR keypoint err "
-                              "(mm)↓ | HoRD w/o HCDR falls (%)↓ |")
-    assert per_command[2:] == ["| 131_01 | 100 ± 0 | 0.0 ± 0.0 | 100 ± 0 | 50.0 ± 0.0 |"]
+    assert per_command[0] == ("| Motion | HoRD keypoint err (mm)↓ | HoRD falls (%)↓ | HoRD steps↑ | HoRD w/o "
+                              "HCDR keypoint err (mm)↓ | HoRD w/o HCDR falls (%)↓ | HoRD w/o HCDR steps↑ |")
+    assert per_command[2:] == ["| 131_01 | 100 | 0.0 (2 near-identical starts) | 4 | 100 | 100.0 (2 near-identical "
+                               "starts) | 2 |"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

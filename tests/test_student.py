@@ -19,7 +19,7 @@ import teacher  # noqa: E402
 
 J = len(ssjr.KEYPOINT_NAMES)
 LAYOUT = {"proprio": [5, 535], "future": [8, 569], "ref_dof_pos": [29], "terrain": [121], "history": [16, 93],
-          "history_mask": [16], "student_proprio": [8, 93], "student_keypoints": [10, 3 * J],
+          "history_mask": [16], "student_proprio": [8, 93], "student_keypoints": [12, 3 * J],
           "critic": [535 + 8 * 569 + 121 + len(envs.PSI_KEYS)]}  # the envs.py observation table
 TEACHER_CPU = teacher.PRESETS["cpu"]
 CPU = dataclasses.replace(student.PRESETS["cpu"], **{k: getattr(TEACHER_CPU, k) for k in student.MODEL_SIZES})
@@ -84,7 +84,7 @@ def test_dagger_loss_decreases_on_a_fixed_batch():
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
     args = dataclasses.replace(CPU, update_epochs=40, minibatch_size=32)
     batch = {k: obs[k] for k in student.STUDENT_OBS}
-    losses = student.dagger_update(policy, optimizer, batch, labels, args)
+    losses = student.dagger_update(policy, optimizer, batch, labels, len(labels), args)
     assert losses[-1] < 0.2 * losses[0], losses
     assert not policy.training  # back in eval mode for the next rollout
 
@@ -175,7 +175,7 @@ def test_onnx_export_matches_pytorch(tmp_path, hcdr):
     for n, seed in ((1, 0), (7, 1), (64, 2)):  # dynamic batch
         obs = random_obs(n, seed)
         g = torch.Generator().manual_seed(seed)
-        kp_w, root_pos = torch.randn(n, 10, J, 3, generator=g), torch.randn(n, 3, generator=g)
+        kp_w, root_pos = torch.randn(n, 12, J, 3, generator=g), torch.randn(n, 3, generator=g)
         root_quat = ssjr.quat_normalize(torch.randn(n, 4, generator=g))
         obs["student_keypoints"] = ssjr.keypoint_command(kp_w, root_pos, root_quat)
         inputs = deploy_inputs(obs, kp_w, root_pos, root_quat)
