@@ -66,7 +66,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
-import importlib
 import json
 import math
 import pathlib
@@ -82,6 +81,7 @@ from scipy import stats
 
 import envs
 import ssjr
+import student
 import teacher
 from ssjr import InputError
 
@@ -537,7 +537,7 @@ def resolve_motions(motions: str, packet_dir: str) -> list[pathlib.Path]:
 
 def load_policy(path, device: str):
     """(policy, checkpoint) from teacher.load_policy or student.load_policy, by the checkpoint's kind."""
-    return importlib.import_module(teacher.load_checkpoint(path)["kind"]).load_policy(path, device)
+    return {"teacher": teacher, "student": student}[teacher.load_checkpoint(path)["kind"]].load_policy(path, device)
 
 
 def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
@@ -619,7 +619,8 @@ def evaluate_seed(env, policy, ckpt: dict, path, label: str, setting: Setting, s
     """Restart the setting's env with `seed` (env.reseed), roll the policy and yield (CSV row, recorded episode).
     clips, kinds: name and ssjr.packet_kind of each motion file, in the env's clip order."""
     obs = env.reseed(seed)
-    teacher.check_layout(path, ckpt["obs_layout"], env.obs_layout, ckpt["obs_layout"])
+    reads = {"teacher": student.TEACHER_ACTOR_OBS, "student": student.STUDENT_OBS}[ckpt["kind"]]  # its policy's inputs
+    teacher.check_layout(path, ckpt["obs_layout"], env.obs_layout, reads)
     for rec in run_episodes(env, obs, policy, plan, max_steps):
         clip, command = clips[rec["clip"]], kinds[rec["clip"]]
         metrics = episode_metrics(rec, command=command)
