@@ -206,6 +206,24 @@ def wilson(k: float, n: int) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def paired_rate_difference(a, b) -> tuple[float, float, float]:
+    """(mean(a) - mean(b), 95 % interval) of paired 0/1 outcomes: Newcombe's hybrid score interval (method 10 of
+    Newcombe 1998, Stat. Med. 17:2635), built from the two Wilson intervals and the pairs' correlation phi."""
+    a, b = np.asarray(a, bool), np.asarray(b, bool)
+    n = len(a)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    both, only_a, only_b, neither = ((a & b).sum(), (a & ~b).sum(), (~a & b).sum(), (~a & ~b).sum())
+    p1, p2 = a.mean(), b.mean()
+    (l1, u1), (l2, u2) = wilson(int(a.sum()), n), wilson(int(b.sum()), n)
+    denominator = float((both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither))
+    phi = float(both * neither - only_a * only_b) / math.sqrt(denominator) if denominator > 0 else 0.0
+    d = float(p1 - p2)
+    lo = d - math.sqrt(max((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2, 0.0))
+    hi = d + math.sqrt(max((u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2, 0.0))
+    return d, lo, hi
+
+
 def t_interval(xs) -> tuple[float, float, float]:
     """(mean, 95 % Student-t interval) of independent samples; NaN interval for fewer than 2."""
     xs = np.asarray(xs, np.float64)
@@ -230,6 +248,8 @@ def estimate(rows: list[dict], metric: str, independent: bool) -> dict:
         return {"mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0, "runs": 0}
     if len(runs) > 1:
         mean, lo, hi = t_interval([np.mean(xs) for xs in runs])
+        if metric in PERCENT:  # a rate stays within 0..100 %
+            lo, hi = max(lo, 0.0), min(hi, 1.0)
     elif not independent:
         mean, lo, hi = float(np.mean(runs[0])), math.nan, math.nan
     elif metric in PERCENT:
@@ -272,24 +292,30 @@ def pairs(rows: list[dict], ref_rows: list[dict], metric: str) -> tuple[np.ndarr
 
 def compare(rows: list[dict], ref_rows: list[dict], metric: str, independent: bool) -> dict:
     """`rows` - `ref_rows` of one setting: {diff, lo, hi (95 % interval), p, test, n (pairs), runs}; PERCENT metrics in
-    points. One run: the mean paired difference over the episodes (t-interval), McNemar (0/1 metrics) or the paired t
-    test; no interval or test for episodes that are not independent. Several runs (runs paired in the order given, or
-    all with one reference run): the per-run differences, their mean, t-interval and one-sample t-test."""
+    points. One run each: the mean paired difference over the episodes, for 0/1 metrics with Newcombe's interval and
+    McNemar's test, else with a t-interval and the paired t-test; no interval or test for episodes that are not
+    independent. Several runs (paired in the order given, or each with the other side's single run): the per-pair
+    differences, their mean, t-interval and one-sample t-test (with one reference run it leaves out that run's own
+    spread: the test says so)."""
     scale = 100.0 if metric in PERCENT else 1.0
     runs, ref_runs = list(group(rows, "ckpt").values()), list(group(ref_rows, "ckpt").values())
-    if not ref_runs or len(ref_runs) not in (1, len(runs)):
-        return {"diff": math.nan, "lo": math.nan, "hi": math.nan, "p": math.nan, "test": "", "n": 0, "runs": 0}
-    paired = [pairs(run, ref_runs[i if len(ref_runs) > 1 else 0], metric) for i, run in enumerate(runs)]
+    if not runs or not ref_runs or 1 not in (len(runs), len(ref_runs)) and len(runs) != len(ref_runs):
+        return {"diff": math.nan, "lo": math.nan, "hi": math.nan, "p": math.nan, "test": "runs not pairable", "n": 0,
+                "runs": 0}
+    k = max(len(runs), len(ref_runs))
+    paired = [pairs(runs[i % len(runs)], ref_runs[i % len(ref_runs)], metric) for i in range(k)]
     n = sum(len(a) for a, _ in paired)
-    if len(runs) > 1:
+    if k > 1:
         diffs = [float(np.mean(a - b)) for a, b in paired if len(a)]
         diff, lo, hi = t_interval(diffs)
         p = float(stats.ttest_1samp(diffs, 0.0).pvalue) if len(diffs) > 1 and np.ptp(diffs) > 0 else math.nan
-        test = f"t over {len(diffs)} runs"
+        test = f"t over {len(diffs)} runs" + ("" if len(runs) == len(ref_runs) else " (vs one run)")
     else:
         (a, b), = paired
-        diff, lo, hi = t_interval(a - b)
-        p, test = ((mcnemar(a, b), "McNemar") if metric in PERCENT else (paired_ttest(a, b)[1], "paired t"))
+        if metric in PERCENT:
+            (diff, lo, hi), p, test = paired_rate_difference(a, b), mcnemar(a, b), "McNemar"
+        else:
+            (diff, lo, hi), p, test = t_interval(a - b), paired_ttest(a, b)[1], "paired t"
         if not independent:
             lo = hi = p = math.nan
             test = "near-identical starts"
@@ -470,17 +496,18 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
     ssjr.write_atomic(out / "episodes.csv", write_csv)
     kinds = {command: [r for r in rows if r["command"] == command] for command in (ROBOT, HUMAN_KEYPOINTS)}
     by = {command: group(sel, "label", "setting") for command, sel in kinds.items()}
-    by_run = group(rows, "ckpt", "setting")
+    by_run = {command: group(sel, "ckpt", "setting") for command, sel in kinds.items()}
     results = lambda command, metrics: {label: {s.name: {m: estimate(by[command].get((label, s.name), []), m,  # noqa
         s.dr) for m in metrics} for s in settings} for label in labels}
+    runs = lambda command, metrics: {ckpt: {s.name: {m: estimate(by_run[command].get((ckpt, s.name), []), m,  # noqa
+        s.dr) for m in metrics} for s in settings} for ckpt in dict.fromkeys(r["ckpt"] for r in kinds[command])}
     summary = {"labels": labels, "checkpoints": {r["ckpt"]: r["label"] for r in rows},
                "settings": [dataclasses.asdict(s) for s in settings],
                "clips": list(dict.fromkeys(r["clip"] for r in rows)), "reward_c": REWARD_C,
                "success_threshold_m": SUCCESS_THRESHOLD_M, "alpha": alpha, "notes": list(notes),
                "results": results(ROBOT, ALL_METRICS),
                "results_keypoint_commands": results(HUMAN_KEYPOINTS, KEYPOINT_METRICS),
-               "runs": {ckpt: {s.name: {m: estimate(by_run.get((ckpt, s.name), []), m, s.dr) for m in ALL_METRICS}
-                               for s in settings} for ckpt in dict.fromkeys(r["ckpt"] for r in rows)},
+               "runs": runs(ROBOT, ALL_METRICS), "runs_keypoint_commands": runs(HUMAN_KEYPOINTS, KEYPOINT_METRICS),
                "comparisons": {command: comparison_rows(sel, labels, settings, alpha) if len(labels) > 1 else []
                                for command, sel in kinds.items() if sel}}
     strict = json.loads(json.dumps(summary), parse_constant=lambda _: None)  # NaN, inf -> null (strict JSON)
@@ -643,10 +670,10 @@ def main(args: Args) -> dict:
     ckpt_labels = list(args.labels) or (stems if len(set(stems)) == len(stems) else list(args.ckpt))
     if len(ckpt_labels) != len(args.ckpt):
         raise InputError("--labels", f"one name per checkpoint: {ckpt_labels} for {list(args.ckpt)}")
-    distinct = len({*args.seeds}) == len(args.seeds) and len({*args.ckpt}) == len(args.ckpt)
-    if not (args.ckpt and args.seeds and min(args.num_envs, args.episodes) > 0 and distinct):
-        raise InputError("--ckpt/--seeds/--num-envs/--episodes", "give distinct checkpoints, distinct seeds, >= 1 env, "
-                                                                 "episode")
+    if not (args.ckpt and args.seeds and min(args.seeds) >= 0 and min(args.num_envs, args.episodes) > 0
+            and len({*args.seeds}) == len(args.seeds) and len({*args.ckpt}) == len(args.ckpt)):
+        raise InputError("--ckpt/--seeds/--num-envs/--episodes", "give distinct checkpoints, distinct seeds >= 0, >= 1 "
+                                                                 "env and episode")
     labels = list(dict.fromkeys(ckpt_labels))
     train_sim = [teacher.load_checkpoint(p) for p in args.ckpt][0]["env_cfg"]["sim"]  # bad files fail here
     settings = [parse_setting(t, train_sim) for t in args.settings]

@@ -211,6 +211,8 @@ def load_policy(path, device="cpu"):
 def train(args: Args, env=None) -> pathlib.Path:
     """Online DAgger. `env`: an env already built from the teacher's env_cfg (tests share one); None builds it."""
     args, resume, device, rank, world = start_run(args, "student")
+    if args.buffer_iterations < 1:
+        raise InputError("--buffer-iterations", f"must be at least 1 (the newest rollout), got {args.buffer_iterations}")
     teacher_agent, tckpt = load_teacher(args.teacher_ckpt, device)
     args = dataclasses.replace(args, **{k: tckpt["args"][k] for k in MODEL_SIZES if getattr(args, k) is None})
     if resume is not None and resume["teacher"]["global_step"] != tckpt["global_step"]:
@@ -256,6 +258,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     data_labels = torch.zeros(capacity, 29, device=device)
     ep_len = torch.zeros(n, device=device)
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
+    collected = 0  # rollouts in the data set since this process started (a resumed run refills it)
 
     with run_session(args, "student", state, policy, env, device, rank, world, global_step, iteration, curves,
                      "distillation_curve.png") as (stopping, end_iteration), \
@@ -265,7 +268,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             beta = args.beta * args.beta_decay ** (iteration - 1)
             for group in optimizer.param_groups:
                 group["lr"] = args.lr * (1.0 - global_step / args.total_env_steps)
-            oldest = (iteration - 1) % args.buffer_iterations * T * n  # this rollout replaces the oldest one
+            oldest = collected % args.buffer_iterations * T * n  # this rollout replaces the oldest one
             # per-iteration sums on the device (read once per iteration): action mse, g-mpjpe, teacher-driven steps
             step_sums = torch.zeros(3, device=device)
             episode_sums = torch.zeros(3, device=device)  # episodes, length, successes
@@ -288,10 +291,11 @@ def train(args: Args, env=None) -> pathlib.Path:
                                              (info["time_out"].float() * ended).sum()])
                 ep_len *= 1.0 - ended
             global_step += per_iteration
+            collected += 1
 
             # ALGO LOGIC: regress alpha_2 onto alpha_1 over the data set (the rollouts collected so far, at most
             # buffer_iterations)
-            filled = min(iteration, args.buffer_iterations) * T * n
+            filled = min(collected, args.buffer_iterations) * T * n
             epoch_losses = dagger_update(policy, optimizer, {k: v[:filled] for k, v in data_obs.items()},
                                          data_labels[:filled], T * n, args, amp, world)
 

@@ -212,6 +212,19 @@ def test_mcnemar_exact_test():
     assert ev.mcnemar([1, 0, 1], [1, 0, 1]) == 1.0  # no discordant pair
 
 
+def test_paired_rate_difference_newcombe_interval():
+    a = np.array([1] * 30 + [0] * 10, bool)
+    same = ev.paired_rate_difference(a, a)  # no discordant pair: 0, but not a certainty
+    assert same[0] == 0.0 and same[1] < -0.02 and same[2] > 0.02
+    b = a.copy()
+    b[:10] = False  # 10 of a's successes lost
+    d, lo, hi = ev.paired_rate_difference(b, a)
+    assert d == pytest.approx(-0.25) and -0.45 < lo < -0.25 < hi < -0.1
+    assert ev.paired_rate_difference(a, b) == pytest.approx((0.25, -hi, -lo))  # symmetric
+    wide = ev.paired_rate_difference(b[:8], a[:8])  # fewer pairs: a wider interval
+    assert wide[2] - wide[1] > hi - lo
+
+
 def row(ckpt, clip, episode, success, steps=100.0, seed=0):
     return {"ckpt": ckpt, "clip": clip, "seed": seed, "episode": episode, "success": float(success),
             "steps": float(steps)}
@@ -227,8 +240,8 @@ def test_estimate_one_run_independent_nominal_and_several_runs():
     runs = [row(c, 0, e, e < k) for c, k in (("a", 4), ("b", 6), ("c", 8)) for e in range(10)]
     e = ev.estimate(runs, "success", independent=True)  # the run is the unit: 40 %, 60 %, 80 %
     half = stats.t.ppf(0.975, 2) * 20.0 / math.sqrt(3)
-    assert e["runs"] == 3 and e["mean"] == pytest.approx(60.0) and (e["lo"], e["hi"]) == pytest.approx((60 - half,
-                                                                                                       60 + half))
+    assert e["runs"] == 3 and e["mean"] == pytest.approx(60.0)
+    assert (e["lo"], e["hi"]) == pytest.approx((60 - half, 100.0))  # 60 + 49.7: a rate stays below 100 %
     assert "(3 runs)" in ev._cell(runs, "success", True) and "near-identical" in ev._cell(one, "success", False)
 
 
@@ -237,13 +250,19 @@ def test_compare_paired_episodes_and_runs():
     student = [row("s", 0, e, e < 20) for e in range(40)]  # fails 10 of the teacher's successes, no other change
     c = ev.compare(student, teacher, "success", independent=True)
     assert c["diff"] == pytest.approx(-25.0) and c["n"] == 40 and c["test"] == "McNemar"
-    assert c["p"] == pytest.approx(2 / 1024) and c["lo"] < -25 < c["hi"] < 0
+    assert c["p"] == pytest.approx(2 / 1024)
+    assert (c["lo"], c["hi"]) == pytest.approx(tuple(100 * x for x in ev.paired_rate_difference(
+        [r["success"] for r in student], [r["success"] for r in teacher])[1:]))
     assert math.isnan(ev.compare(student, teacher, "success", independent=False)["p"])
     runs = [row(f"s{k}", 0, e, e < 30 - k) for k in (0, 2, 4) for e in range(40)]  # -0, -5, -10 points
     c = ev.compare(runs, teacher, "success", independent=True)
-    assert c["runs"] == 3 and c["diff"] == pytest.approx(-5.0) and c["test"] == "t over 3 runs"
+    assert c["runs"] == 3 and c["diff"] == pytest.approx(-5.0) and c["test"] == "t over 3 runs (vs one run)"
     half = stats.t.ppf(0.975, 2) * 5.0 / math.sqrt(3)
     assert (c["lo"], c["hi"]) == pytest.approx((-5 - half, -5 + half))
+    assert ev.compare(teacher, runs, "success", True)["diff"] == pytest.approx(5.0)  # one run vs three: the same pairs
+    other = [row(f"o{k}", 0, e, e < 30) for k in (0, 1) for e in range(40)]
+    assert ev.compare(runs, other, "success", True)["test"] == "runs not pairable"  # 3 runs vs 2
+    assert ev.compare([], teacher, "success", True)["n"] == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------

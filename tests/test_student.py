@@ -200,7 +200,7 @@ def sim_setup(train_packet, tmp_path_factory):
     t_path = make_teacher_ckpt(tmp / "teacher.pt", env.obs_layout, cfg, perturb=False)
     args = dataclasses.replace(CPU, teacher_ckpt=str(t_path), num_envs=N_ENVS, num_steps=24,
                                total_env_steps=N_ENVS * 24 * 8, torch_threads=1, checkpoint_every=4,
-                               run_dir=str(tmp / "run"))
+                               run_dir=str(tmp / "run"), update_epochs=6, minibatch_size=128)  # 18 steps/iteration
     return env, t_path, args
 
 
