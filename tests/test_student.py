@@ -294,7 +294,8 @@ def test_env_evaluate_and_export_read_one_keypoint_command(train_packet, tmp_pat
         for _ in range(5):
             obs = env.step(obs["ref_dof_pos"])[0]
         pos, quat = env.sim.body_state()[:2]
-        kp_w = env.reference(env.window_steps)["body_pos"][:, :10, env.keypoint_ids]
+        window = env.STUDENT_PAST + env.STUDENT_FUTURE  # the command's frames t-7..t+4
+        kp_w = env.reference(env.window_steps)["body_pos"][:, :window, env.keypoint_ids]
         y = ssjr.keypoint_command(kp_w, pos[:, 0], quat[:, 0])
         torch.testing.assert_close(obs["student_keypoints"], y, rtol=0, atol=1e-6)
         inputs = deploy_inputs(obs, kp_w, pos[:, 0], quat[:, 0])
