@@ -714,8 +714,8 @@ class TrackingEnv:
             self.start_count[ids] += self.num_envs
             self.tick0[ids] = 0
             for i, clip, episode in zip(ids.tolist(), (g % len(lib)).tolist(), (g // len(lib)).tolist()):
-                self.episode_gens[i].manual_seed(int(np.random.SeedSequence([self.seed, clip, episode]).generate_state(
-                    1)[0]))
+                seed_sequence = np.random.SeedSequence([self.seed, clip, episode])  # mixes the three into one seed
+                self.episode_gens[i].manual_seed(int(seed_sequence.generate_state(1)[0]))
         else:  # reference-state init: a uniform clip, then a uniform start tick in it
             self.clip[ids] = torch.randint(len(lib), (m,), generator=self.gen, device=dev)
             num_starts = lib.last_start_tick[self.clip[ids]] + 1
@@ -920,8 +920,6 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
         raise InputError("--sim", f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
     if start not in START_MODES:  # before the engine: Isaac Lab allows one simulation per process
         raise InputError("--start", f"unknown start '{start}': choose one of {START_MODES}")
-    if termination not in TERMINATIONS:
-        raise InputError("--termination", f"unknown termination '{termination}': choose one of {TERMINATIONS}")
     paths = resolve_motions(motions)
     if exclude_test and len(paths) > 1:
         paths, _ = ssjr.train_test_split(paths)
