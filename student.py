@@ -242,6 +242,7 @@ def train(args: Args, env=None) -> pathlib.Path:
         policy.alpha_0.copy_(env.motions.mean_dof_pos)
         if args.hcdr in ("teacher", "finetune"):
             share_teacher_hcdr(policy, teacher_agent, args.teacher_ckpt)
+        policy.actor.update_norms(obs)
     broadcast_from_rank0(policy, world)
     policy.eval()
     state = lambda: {"args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
@@ -274,7 +275,6 @@ def train(args: Args, env=None) -> pathlib.Path:
             episode_sums = torch.zeros(3, device=device)  # episodes, length, successes
             for step in range(T):
                 with torch.no_grad(), amp():
-                    policy.actor.update_norms(obs)
                     alpha_2 = policy(obs)
                     alpha_1 = teacher_agent.act(obs)  # DAgger label of the visited state (privileged observations)
                 rows = slice(oldest + step * n, oldest + (step + 1) * n)
@@ -298,6 +298,10 @@ def train(args: Args, env=None) -> pathlib.Path:
             filled = min(collected, args.buffer_iterations) * T * n
             epoch_losses = dagger_update(policy, optimizer, {k: v[:filled] for k, v in data_obs.items()},
                                          data_labels[:filled], T * n, args, amp, world)
+            # observation statistics: after the update (it regressed with the rollout's normalization), from every 4th
+            # step of the rollout, as the teacher does (under torchrun every update is an all-reduce)
+            rollout = {k: v[oldest:oldest + T * n].view(T, n, *v.shape[1:])[::4] for k, v in data_obs.items()}
+            policy.actor.update_norms(rollout)
 
             # logging: one host read (means over the ranks, episode sums over all)
             totals = torch.cat([episode_sums, env.nan_resets.float()[None]])
