@@ -107,7 +107,7 @@ PRESETS = {
     "paper": Args(),
     # the teacher preset's envs and performance mode (about its env-steps/s); 8 rollouts of samples to regress on
     "cpu": Args(preset="cpu", device="cpu", num_envs=64, performance_mode=True, total_env_steps=300_000, num_steps=24,
-                buffer_iterations=8, update_epochs=2, minibatch_size=512, lr=3e-4, checkpoint_every=20,
+                buffer_iterations=8, update_epochs=2, minibatch_size=512, lr=1e-3, checkpoint_every=20,
                 torch_threads=1),
 }
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "ff_dim", "head_dim", "terrain_dim", "hcdr_queries", "hcdr_dim",
