@@ -308,6 +308,8 @@ def compare(rows: list[dict], ref_rows: list[dict], metric: str, independent: bo
     if k > 1:
         diffs = [float(np.mean(a - b)) for a, b in paired if len(a)]
         diff, lo, hi = t_interval(diffs)
+        if metric in PERCENT:  # a difference of rates stays within -100..100 points
+            lo, hi = max(lo, -1.0), min(hi, 1.0)
         p = float(stats.ttest_1samp(diffs, 0.0).pvalue) if len(diffs) > 1 and np.ptp(diffs) > 0 else math.nan
         test = f"t over {len(diffs)} runs" + ("" if len(runs) == len(ref_runs) else " (vs one run)")
     else:

@@ -260,6 +260,9 @@ def test_compare_paired_episodes_and_runs():
     half = stats.t.ppf(0.975, 2) * 5.0 / math.sqrt(3)
     assert (c["lo"], c["hi"]) == pytest.approx((-5 - half, -5 + half))
     assert ev.compare(teacher, runs, "success", True)["diff"] == pytest.approx(5.0)  # one run vs three: the same pairs
+    spread = [row(f"w{k}", 0, e, e < 40 * k) for k in (0, 1) for e in range(40)]  # 0 % and 100 %: t-interval +-635
+    c = ev.compare(spread, [row("v", 0, e, False) for e in range(40)], "success", True)
+    assert c["diff"] == 50.0 and (c["lo"], c["hi"]) == (-100.0, 100.0)  # a rate difference stays within +-100
     other = [row(f"o{k}", 0, e, e < 30) for k in (0, 1) for e in range(40)]
     assert ev.compare(runs, other, "success", True)["test"] == "runs not pairable"  # 3 runs vs 2
     assert ev.compare([], teacher, "success", True)["n"] == 0
