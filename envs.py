@@ -30,6 +30,7 @@ Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading fr
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import math
 import pathlib
@@ -52,6 +53,7 @@ CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
 # psi, tile, pushes and noise from its own stream seeded by (seed, clip, episode), so that episodes are independent and
 # two policies evaluated with the same seed meet the same draws (paired episodes)
 START_MODES = ("random", "frame0")
+SIMS = ("isaaclab", "genesis", "mujoco")  # the engines (adapters below)
 START_MARGIN_S = 1.0  # episodes start at least this long before their clip ends (shorter clips: at frame 0)
 
 # PD gains (kp N m/rad, kd N m s/rad) and effort limits (N m), per joint group. Paper: hips 100, knees 200, waist 400,
@@ -600,7 +602,181 @@ class IsaacLabSim:
         self._tmp.cleanup()
 
 
-# --- The tracking task, written once for both engines.
+# The MuJoCo scene that envs.py and deploy.py both load: shipped, so a deployment steps the physics training saw.
+SCENE_XML = pathlib.Path(__file__).resolve().parent / "g1_scene.xml"
+GROUND_FRICTION = 0.01  # every engine: contact friction = max of the pair, so the feet's friction decides
+IMU_SENSORS = ("imu_ang_vel", "imu_upvector")  # the pelvis IMU: gyro (pelvis frame), world z axis in the pelvis frame
+
+
+def mujoco_scene_xml() -> str:
+    """The G1 MJCF as one self-contained MuJoCo scene with the physics every engine here runs: our joint armature,
+    passive damping and dry friction, no self-collision (robot geoms touch only the floor), 200 Hz implicitfast, a floor
+    of friction GROUND_FRICTION; the visual meshes dropped (collision is capsules and spheres, inertias are explicit)
+    and the pelvis IMU kept. `python envs.py scene` writes it to g1_scene.xml; a test checks the shipped file."""
+    import mujoco
+    spec = mujoco.MjSpec.from_file(str(ssjr.g1_mjcf_path()))
+    for element in ([g for g in spec.geoms if g.type == mujoco.mjtGeom.mjGEOM_MESH] + list(spec.meshes)
+                    + list(spec.materials) + [s for s in spec.sensors if s.name not in IMU_SENSORS]):
+        spec.delete(element)
+    for joint in spec.joints[1:]:  # joint 0: the free base
+        joint.armature, joint.damping[0], joint.frictionloss = ARMATURE, JOINT_DAMPING, JOINT_FRICTION
+    for geom in spec.geoms:
+        geom.conaffinity = 0
+    spec.option.timestep, spec.option.integrator = PHYSICS_DT_S, mujoco.mjtIntegrator.mjINT_IMPLICITFAST
+    spec.worldbody.add_geom(name="floor", type=mujoco.mjtGeom.mjGEOM_PLANE, size=[0, 0, 0.05],
+                            friction=[GROUND_FRICTION, 0.005, 0.0001])
+    return ("<!-- Unitree G1 29-DoF (BSD-3-Clause, Unitree Robotics; MJCF from the mjlab 1.6.0 wheel, Apache-2.0), "
+            "written by `python envs.py scene`: do not edit -->\n" + spec.to_xml())
+
+
+class MuJoCoSim:
+    """MuJoCo on the CPU: one MjModel and MjData per env (each env's DR writes go to its own model), stepped in a loop
+    on one core (the trainers scale out with torchrun). The scene is SCENE_XML, plus a heightfield for non-flat terrain.
+    Each step is mj_step2 then mj_step1, so positions, velocities and kinematics are always those of the current state.
+    MuJoCo resets an env whose state goes bad (non-finite or huge accelerations, mjWARN_BADQACC...) by itself, with a
+    warning: those envs are reported by nan_envs() like the other engines' blow-ups."""
+
+    dof_names, body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
+
+    def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S):
+        import mujoco
+        self.mj, self.num_envs, self.device = mujoco, num_envs, torch.device(device)
+        spec = mujoco.MjSpec.from_file(str(SCENE_XML))
+        spec.option.timestep = dt_s
+        if not terrain.is_flat:  # MuJoCo hfield rows run along y: heights_m.T; elevation from the lowest point
+            h = terrain.heights_m.astype(np.float64)
+            (nx, ny), lo, span = h.shape, float(h.min()), max(float(np.ptp(h)), 1e-6)
+            half = ((nx - 1) * terrain.cell_m / 2, (ny - 1) * terrain.cell_m / 2)
+            spec.add_hfield(name="terrain", nrow=ny, ncol=nx, size=[*half, span, 0.1],
+                            userdata=((h.T - lo) / span).ravel().tolist())
+            spec.worldbody.add_geom(name="terrain", type=mujoco.mjtGeom.mjGEOM_HFIELD, hfieldname="terrain",
+                                    pos=[terrain.origin_m[0] + half[0], terrain.origin_m[1] + half[1], lo],
+                                    friction=[GROUND_FRICTION, 0.005, 0.0001])
+            spec.geom("floor").pos = [0, 0, lo]  # the floor plane under it
+        base = spec.compile()
+        self.models = [base] + [copy.deepcopy(base) for _ in range(num_envs - 1)]
+        self.datas = [mujoco.MjData(m) for m in self.models]
+        self._scratch = mujoco.MjData(base)  # for mj_setConst after body writes (it overwrites the state it is given)
+        ids = {name: mujoco.mj_name2id(base, mujoco.mjtObj.mjOBJ_BODY, name) for name in ssjr.BODY_NAMES}
+        self.bodies = np.array([ids[name] for name in ssjr.BODY_NAMES])
+        assert [base.joint(i).name for i in range(1, 30)] == list(ssjr.DOF_NAMES)  # qpos 7.., qvel 6.. in our order
+        self.torso = ids["torso_link"]
+        self.feet = np.flatnonzero(np.isin(base.geom_bodyid, [ids[f] for f in FEET]))
+        self.default_body_mass_kg = torch.tensor(base.body_mass[self.bodies], device=self.device).float().expand(
+            num_envs, -1).clone()
+        self._default_inertia, self._default_torso_com = base.body_inertia.copy(), base.body_ipos[self.torso].copy()
+        self._bad = [mujoco.mjtWarning.mjWARN_BADQPOS, mujoco.mjtWarning.mjWARN_BADQVEL, mujoco.mjtWarning.mjWARN_BADQACC]
+        self._warnings = np.zeros(num_envs, np.int64)  # the bad-state warnings counted so far, per env
+        self._blown_up = np.zeros(num_envs, bool)
+        for m, d in zip(self.models, self.datas):
+            mujoco.mj_step1(m, d)
+
+    def _t(self, x: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(x), dtype=torch.float32, device=self.device)
+
+    def _ids(self, env_ids) -> list[int]:
+        return torch.as_tensor(env_ids).flatten().tolist()
+
+    def _refresh(self, i: int) -> None:
+        """Kinematics and velocities of env i's state (after a write), and a bad state caught as a blow-up."""
+        self.mj.mj_step1(self.models[i], self.datas[i])
+        warnings_now = sum(self.datas[i].warning[w].number for w in self._bad)
+        self._blown_up[i] |= warnings_now > self._warnings[i]
+        self._warnings[i] = warnings_now
+
+    def step(self, tau_nm: torch.Tensor) -> None:
+        tau = tau_nm.detach().cpu().double().numpy()
+        for i, (m, d) in enumerate(zip(self.models, self.datas)):
+            d.qfrc_applied[6:] = tau[i]
+            self.mj.mj_step2(m, d)
+            self._refresh(i)
+
+    def dof_state(self):
+        return (self._t(np.stack([d.qpos[7:] for d in self.datas])),
+                self._t(np.stack([d.qvel[6:] for d in self.datas])))
+
+    def root_state(self):
+        pos, quat, lin, ang = self.body_state()
+        return pos[:, 0], quat[:, 0], lin[:, 0], ang[:, 0]
+
+    def body_state(self):
+        """World positions, wxyz quaternions, and velocities of the body frames' origins (d/dt body_pos, as the other
+        engines): cvel holds [angular; linear at the tree's centre of mass subtree_com[root]]."""
+        b = self.bodies
+        pos = np.stack([d.xpos[b] for d in self.datas])
+        cvel = np.stack([d.cvel[b] for d in self.datas])
+        com = np.stack([d.subtree_com[1] for d in self.datas])  # body 1: the pelvis, root of the robot's tree
+        ang = cvel[..., :3]
+        lin = cvel[..., 3:] + np.cross(ang, pos - com[:, None])
+        return self._t(pos), self._t(np.stack([d.xquat[b] for d in self.datas])), self._t(lin), self._t(ang)
+
+    def write_state(self, env_ids, root_pos, root_quat, root_lin_vel, root_ang_vel, q, qd) -> None:
+        # free joint: position, wxyz quaternion; linear velocity in the world frame, angular in the root's own frame
+        qpos = torch.cat([root_pos, root_quat, q], -1).cpu().double().numpy()
+        qvel = torch.cat([root_lin_vel, quat_apply(quat_conj(root_quat), root_ang_vel), qd], -1).cpu().double().numpy()
+        for k, i in enumerate(self._ids(env_ids)):
+            d = self.datas[i]
+            d.qpos[:], d.qvel[:], d.qacc_warmstart[:], d.qfrc_applied[:] = qpos[k], qvel[k], 0.0, 0.0
+            self._refresh(i)
+
+    def set_root_velocity(self, env_ids, lin_vel_w, ang_vel_w) -> None:
+        lin, ang = lin_vel_w.cpu().double().numpy(), ang_vel_w.cpu().double().numpy()
+        for k, i in enumerate(self._ids(env_ids)):
+            d = self.datas[i]
+            d.qvel[:3], d.qvel[3:6] = lin[k], d.xmat[1].reshape(3, 3).T @ ang[k]
+            self._refresh(i)
+
+    def set_gravity(self, env_ids, g_w) -> None:
+        for k, i in enumerate(self._ids(env_ids)):
+            self.models[i].opt.gravity[:] = g_w[k].cpu().numpy()
+            self._model_changed(i)
+
+    def _model_changed(self, i: int, masses: bool = False) -> None:
+        """After a write to env i's model: recompute the constants that depend on masses and armature (the
+        constraints' inverse weights), and mj_step1 (gravity, mass matrix, contacts) for the next step."""
+        if masses:
+            self.mj.mj_setConst(self.models[i], self._scratch)
+        self._refresh(i)
+
+    def set_body_mass(self, env_ids, mass_kg) -> None:
+        """Masses [n,30]; inertias scale with the same per-body ratio (a heavier body of the same shape)."""
+        mass = mass_kg.cpu().double().numpy()
+        for k, i in enumerate(self._ids(env_ids)):
+            m = self.models[i]
+            ratio = mass[k] / self.default_body_mass_kg[i].double().numpy()
+            m.body_mass[self.bodies] = mass[k]
+            m.body_inertia[self.bodies] = self._default_inertia[self.bodies] * ratio[:, None]
+            self._model_changed(i, masses=True)
+
+    def set_com_offset(self, env_ids, offset_m) -> None:
+        offset = offset_m.cpu().double().numpy()
+        for k, i in enumerate(self._ids(env_ids)):
+            self.models[i].body_ipos[self.torso] = self._default_torso_com + offset[k]
+            self._model_changed(i, masses=True)
+
+    def set_friction(self, env_ids, mu) -> None:
+        """Ground-foot friction: the feet's sliding friction (the ground's is GROUND_FRICTION)."""
+        for k, i in enumerate(self._ids(env_ids)):
+            self.models[i].geom_friction[self.feet, 0] = float(mu[k])
+            self._model_changed(i)
+
+    def set_joint_params(self, env_ids, armature, damping, frictionloss) -> None:
+        a, b, c = (x.cpu().double().numpy() for x in (armature, damping, frictionloss))
+        for k, i in enumerate(self._ids(env_ids)):
+            m = self.models[i]
+            m.dof_armature[6:], m.dof_damping[6:], m.dof_frictionloss[6:] = a[k], b[k], c[k]
+            self._model_changed(i, masses=True)
+
+    def nan_envs(self) -> torch.Tensor:
+        """Envs MuJoCo reset for a bad state since the last call."""
+        blown_up, self._blown_up = self._blown_up, np.zeros(self.num_envs, bool)
+        return torch.as_tensor(blown_up, device=self.device)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+# --- The tracking task, written once for every engine.
 def shift_in(stack: torch.Tensor, new) -> torch.Tensor:
     """A per-env stack [N, T, ...], oldest first, moved one step on: `new` [N, ...] becomes its last entry."""
     stack = torch.roll(stack, -1, 1)
@@ -910,14 +1086,14 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
              dr: DR | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
              exclude_test: bool = True, performance_mode: bool = False,
              terrain_seed: int | None = None, termination: str = "max") -> TrackingEnv:
-    """Build the tracking env on `sim` ("isaaclab" | "genesis"). `motions`: packet folder/file/list; the held-out
+    """Build the tracking env on `sim` (SIMS). `motions`: packet folder/file/list; the held-out
     test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation).
     performance_mode (Genesis): kernels compiled for this exact num_envs (faster CPU physics, a longer compile at every
     start; one mode per process). terrain_seed: the heightfield's seed (default: seed). termination: TERMINATIONS."""
     if num_envs < 1:
         raise InputError("--num-envs", f"must be at least 1, got {num_envs}")
-    if sim not in ("genesis", "isaaclab"):
-        raise InputError("--sim", f"unknown sim '{sim}': choose 'isaaclab' or 'genesis'")
+    if sim not in SIMS:
+        raise InputError("--sim", f"unknown sim '{sim}': choose one of {SIMS}")
     if start not in START_MODES:  # before the engine: Isaac Lab allows one simulation per process
         raise InputError("--start", f"unknown start '{start}': choose one of {START_MODES}")
     paths = resolve_motions(motions)
@@ -928,7 +1104,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     motion_lib = MotionLib(paths, device)  # before the engine: a bad motion file leaves no simulator behind
     ground = make_terrain(terrain, seed if terrain_seed is None else terrain_seed)
     engine = (GenesisSim(num_envs, device, ground, performance_mode=performance_mode) if sim == "genesis"
-              else IsaacLabSim(num_envs, device, ground))
+              else IsaacLabSim(num_envs, device, ground) if sim == "isaaclab" else MuJoCoSim(num_envs, device, ground))
     return TrackingEnv(engine, motion_lib, ground, dr, seed, start, termination)
 
 
@@ -1007,9 +1183,20 @@ def bench(args: Bench) -> None:
               f"{dr_pct[1]:.0f} %)")
 
 
+@dataclass
+class Scene:
+    """python envs.py scene: (re)write g1_scene.xml from the G1 MJCF and the joint constants above"""
+    out: str = str(SCENE_XML)
+    """output file"""
+
+
 if __name__ == "__main__":
     import tyro
     try:
-        bench(tyro.extras.subcommand_cli_from_dict({"bench": Bench}))
+        args = tyro.extras.subcommand_cli_from_dict({"bench": Bench, "scene": Scene})
+        if isinstance(args, Scene):
+            print(f"wrote {ssjr.write_atomic(args.out, lambda tmp: tmp.write_text(mujoco_scene_xml()))}")
+        else:
+            bench(args)
     except InputError as e:
         raise SystemExit(f"error: {e}")

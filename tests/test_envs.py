@@ -1,4 +1,4 @@
-"""envs.py on both engines: reset, kinematic replay, domain randomization, termination, observations, NaN safety.
+"""envs.py on every engine: reset, kinematic replay, domain randomization, termination, observations, NaN safety.
 
 Each engine's scene is built once per module (Genesis ~50 s cold compile, ~8 s warm; Isaac Lab ~20 s)."""
 import numpy as np
@@ -9,13 +9,13 @@ import envs
 import ssjr
 
 pytestmark = pytest.mark.slow
-SIMS = ["genesis", "isaaclab"]
+SIMS = ["genesis", "isaaclab", "mujoco"]
 N = 8
 
 
 @pytest.fixture(scope="module")
 def built(train_packet):
-    """Both engines, built once for the module (they coexist in one process); Isaac Lab's is closed at the end."""
+    """Every engine, built once for the module (they coexist in one process); Isaac Lab's is closed at the end."""
     made = {sim: envs.make_env(sim, N, "cpu", train_packet, dr=envs.DR(), terrain="flat", seed=0) for sim in SIMS}
     yield made
     for e in made.values():
@@ -128,6 +128,8 @@ def test_gravity_and_mass_reach_the_engine(env):
     env.sim.set_body_mass(ids, heavy)
     if isinstance(env.sim, envs.GenesisSim):  # read the masses back from the engine
         engine_mass = torch.as_tensor(env.sim.robot.get_links_mass(env.sim.links))
+    elif isinstance(env.sim, envs.MuJoCoSim):
+        engine_mass = torch.tensor(np.stack([m.body_mass[env.sim.bodies] for m in env.sim.models])).float()
     else:
         engine_mass = env.sim.robot.data.body_mass.torch[:, env.sim.isaac_index_of_body]
     assert torch.allclose(engine_mass, heavy, rtol=1e-4)
@@ -326,7 +328,7 @@ def test_bad_env_arguments_are_clear_errors(train_packet):
         envs.make_env("genesis", 0, "cpu", train_packet)
 
 
-def test_same_pd_hold_gives_close_trajectories_on_both_engines(built):
+def test_same_pd_hold_gives_close_trajectories_on_every_engine(built):
     """Cross-engine sanity: the same initial state (reference frame 0) and the same PD hold of that pose, nominal
     dynamics, 0.3 s. Loose tolerance: the engines differ in contact models and solvers (that is the point of the
     zero-shot evaluation), but the same robot, gains and joint order must give the same gross motion."""
@@ -343,8 +345,9 @@ def test_same_pd_hold_gives_close_trajectories_on_both_engines(built):
             pelvis.append(env.body_pos_w[:, 0] - start)
         traj[sim] = torch.stack(pelvis)
         env.reset()
-    gap = (traj["genesis"] - traj["isaaclab"]).norm(dim=-1)
-    assert gap.max() < 0.05, gap.max(-1).values
+    for other in ("isaaclab", "mujoco"):
+        gap = (traj["genesis"] - traj[other]).norm(dim=-1)
+        assert gap.max() < 0.05, (other, gap.max(-1).values)
 
 
 def test_resetting_some_envs_leaves_the_others_observations_alone(env):
@@ -418,6 +421,8 @@ def write_nan_joint_velocity(env, i):
     ids = torch.tensor([i])
     if isinstance(env.sim, envs.GenesisSim):
         env.sim.robot.set_dofs_velocity(nan, env.sim.dofs, envs_idx=ids)
+    elif isinstance(env.sim, envs.MuJoCoSim):  # MuJoCo resets it at its next check, with a warning
+        env.sim.datas[i].qvel[6:] = nan[0].numpy()
     else:
         env.sim.robot.write_joint_velocity_to_sim_index(velocity=nan, env_ids=ids.to(torch.int32))
 
@@ -451,10 +456,11 @@ def test_real_blow_ups_at_every_substep_phase_are_reset_and_counted(env):
         assert all(torch.isfinite(v.float()).all() for v in obs.values()), i
 
 
-def test_genesis_builds_and_steps_the_terrain_mix_heightfield(train_packet):
-    """The paper preset's terrain (flat, smooth and rough slopes) as a Genesis heightfield, a few envs on the CPU:
-    the robots spawn on it, stand on it (root 0.5-1.1 m above the ground under it) and stay finite."""
-    env = envs.make_env("genesis", 4, "cpu", train_packet, dr=envs.DR(), terrain="mix", seed=0)
+@pytest.mark.parametrize("sim", ["genesis", "mujoco"])
+def test_the_terrain_mix_heightfield_builds_and_steps(train_packet, sim):
+    """The paper preset's terrain (flat, smooth and rough slopes) as a heightfield, a few envs on the CPU: the robots
+    spawn on it, stand on it (root 0.5-1.1 m above the ground under it) and stay finite."""
+    env = envs.make_env(sim, 4, "cpu", train_packet, dr=envs.DR(), terrain="mix", seed=0)
     obs = env.reset()
     for _ in range(25):
         obs, reward, done, info = env.step(obs["ref_dof_pos"])
@@ -462,3 +468,8 @@ def test_genesis_builds_and_steps_the_terrain_mix_heightfield(train_packet):
     height = obs["proprio"][:, -1, 0]  # root height above the terrain under it
     assert ((height > 0.5) & (height < 1.1)).all(), height
     assert len(set(env.terrain.tile_types)) == 3
+
+
+def test_the_shipped_mujoco_scene_is_the_g1_model_with_our_joint_constants():
+    """g1_scene.xml (loaded by the MuJoCo env and by deploy.py) is what `python envs.py scene` writes today."""
+    assert envs.SCENE_XML.read_text() == envs.mujoco_scene_xml()
