@@ -1113,7 +1113,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
 class Bench:
     """python envs.py bench --sim genesis --num-envs 64"""
     sim: str = "genesis"
-    """isaaclab | genesis"""
+    """isaaclab | genesis | mujoco (mujoco: also our Genesis env on the same scene, in the same run)"""
     num_envs: int = 64
     """parallel environments"""
     device: str = "cpu"
@@ -1132,16 +1132,15 @@ class Bench:
     """Genesis performance mode (kernels compiled for this env count)"""
 
 
-def bench(args: Bench) -> None:
-    """Print env-steps/s of our env and of the raw engine on the same scene (the time spent in the engine's physics
-    step during our env's steps: ours/raw = the share of wall time that is physics). With DR, also the share of step
-    time the DR writes take when one env resets before every step (as at 4096 envs)."""
-    torch.set_num_threads(args.torch_threads)
+def bench_sim(args: Bench, sim: str) -> float:
+    """Print and return env-steps/s of our env on `sim`, beside the raw engine on the same scene (the time spent in
+    the engine's physics step during our env's steps: ours/raw = the share of wall time that is physics). With DR,
+    also the share of step time the DR writes take when one env resets before every step (as at 4096 envs)."""
     t0 = time.time()
-    env = make_env(args.sim, args.num_envs, args.device, args.motions, DR() if args.dr else None, args.terrain,
+    env = make_env(sim, args.num_envs, args.device, args.motions, DR() if args.dr else None, args.terrain,
                    performance_mode=args.performance_mode)
     obs, build_s = [env.reset()], time.time() - t0
-    sim, n, engine_step, physics_s = env.sim, args.num_envs, env.sim.step, [0.0]
+    engine, n, engine_step, physics_s = env.sim, args.num_envs, env.sim.step, [0.0]
 
     def rate(fn, steps=args.steps):  # env-steps/s of fn, after 10 warm-up calls
         for _ in range(10):
@@ -1169,18 +1168,26 @@ def bench(args: Bench) -> None:
         del env._write_psi
         return 100 * (1 - with_writes / without)
 
-    sim.step = timed_engine_step
+    engine.step = timed_engine_step
     ours = rate(env_step)
     raw_same = n * args.steps / physics_s[0]
-    sim.step = engine_step
+    engine.step = engine_step
     dr_pct = (dr_reset_pct(False), dr_reset_pct(True)) if args.dr else None
     env.close()
-    print(f"{args.sim} ({args.device}), {n} envs, terrain {args.terrain}, DR {'on' if args.dr else 'off'}: "
+    print(f"{sim} ({args.device}), {n} envs, terrain {args.terrain}, DR {'on' if args.dr else 'off'}: "
           f"HoRD env {ours:,.0f} env-steps/s | raw engine, same scene {raw_same:,.0f} | ratio {ours / raw_same:.2f} "
           f"(build {build_s:.0f} s)")
     if dr_pct:
         print(f"DR resets: {dr_pct[0]:.0f} % of step time (one env reset per step; with DR.body_psi_per_episode: "
               f"{dr_pct[1]:.0f} %)")
+    return ours
+
+
+def bench(args: Bench) -> None:
+    torch.set_num_threads(args.torch_threads)
+    ours = bench_sim(args, args.sim)
+    if args.sim == "mujoco":  # the engine it would replace on the CPU, same scene and loop, same run
+        print(f"MuJoCo env / Genesis env: {ours / bench_sim(args, 'genesis'):.2f}x")
 
 
 @dataclass

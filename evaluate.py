@@ -7,8 +7,8 @@
 
     python evaluate.py --ckpt t.pt s0.pt s1.pt s2.pt --labels teacher student student student   # training runs
 
-Settings: `<engine>[+dr][@<terrain>]`; engine = isaaclab | genesis | in_domain (the first checkpoint's env_cfg["sim"]) |
-zero_shot (the other engine); +dr = envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise); terrain = flat |
+Settings: `<engine>[+dr][@<terrain>]`; engine = isaaclab | genesis | mujoco | in_domain (the first checkpoint's
+env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab for Genesis); +dr = envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise); terrain = flat |
 smooth_slope | rough_slope. One env per (checkpoint, setting): the checkpoint's env_cfg with these overrides and frame-0
 starts (env i plays clips i, i+N, ...), restarted by env.reseed(seed) for every seed, closed before the next is built
 (Isaac Lab: one live env per process).
@@ -97,13 +97,15 @@ TABLE1_METRICS = (("success", "Succ. (%)↑"), ("steps", "steps↑"), ("g_mpjpe_
                   ("mpjpe_mm", "mpjpe (mm)↓"))
 KEYPOINT_TABLE = (("keypoint_err_mm", "keypoint err (mm)↓"), ("fell", "falls (%)↓"), ("steps", "steps↑"))
 ROBOT, HUMAN_KEYPOINTS = "robot", "human_keypoints"  # the packet kinds (ssjr.packet_kind)
-ENGINES = {"isaaclab": "IsaacLab", "genesis": "Genesis"}
+ENGINES = {"isaaclab": "IsaacLab", "genesis": "Genesis", "mujoco": "MuJoCo"}
+# zero_shot: the engine least like the training one (Isaac Lab 3.0 steps MuJoCo-Warp: MuJoCo and Isaac Lab are twins)
+ZERO_SHOT = {"isaaclab": "genesis", "genesis": "isaaclab", "mujoco": "genesis"}
 RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
 
 
 @dataclass
 class Args:
-    ckpt: tuple[str, ...]
+    ckpt: tuple[str, ...] = ()
     """checkpoint(s) of teacher.py / student.py; several give an ablation table, the first label is the reference"""
     labels: tuple[str, ...] = ()
     """table row names, one per checkpoint (default: file stems); checkpoints sharing a label are runs of one method"""
@@ -128,6 +130,17 @@ class Args:
     """where table.md, episodes.csv and summary.json go"""
     alpha: float = 0.01
     """significance level of the paired tests"""
+    onnx: tuple[str, ...] = ()
+    """exported students (student.py export), played by deploy.py in MuJoCo from their contract alone: setting
+    'deploy' (and 'deploy+drift<v>' for each non-zero --root-drift-mps)"""
+    onnx_labels: tuple[str, ...] = ()
+    """row names of the ONNX files (default: file stems); a checkpoint's label puts the export beside it"""
+    root_drift_mps: tuple[float, ...] = (0.0,)
+    """deploy settings: drift speed of the root position estimate (a random horizontal direction per seed)"""
+    parity: bool = False
+    """instead of evaluating: step the MuJoCo env with the student (--ckpt) on the first motion and compare, term by
+    term, the inputs deploy.py builds from the same MuJoCo states with the env's observations, and the ONNX (--onnx)
+    actions with the torch student's; print the first term beyond tolerance or 'all inputs match'"""
 
 
 # --- 1. Metrics: pure functions over one episode's arrays, positions [T,B,3] (m), quaternions [T,B,4] (wxyz). ---
@@ -526,19 +539,23 @@ class Setting:
     dr: bool
     terrain: str
     in_domain: bool
+    deploy_drift_mps: float | None = None  # played by deploy.py from the ONNX, with this root-estimate drift
 
     @property
     def title(self) -> str:
+        if self.deploy_drift_mps is not None:
+            return "deploy.py ONNX, MuJoCo" + (f", root drift {self.deploy_drift_mps:g} m/s" if self.deploy_drift_mps
+                                                else "")
         terrain = "" if self.terrain == "flat" else f" {self.terrain.replace('_', ' ')}"
         return f"{ENGINES[self.sim]}{'+DR' if self.dr else ''}{terrain} ({'ID' if self.in_domain else 'OOD'})"
 
 
 def parse_setting(token: str, train_sim: str) -> Setting:
-    """'<engine>[+dr][@<terrain>]' -> Setting; engine isaaclab | genesis | in_domain | zero_shot."""
+    """'<engine>[+dr][@<terrain>]' -> Setting; engine isaaclab | genesis | mujoco | in_domain | zero_shot."""
     spec, _, terrain = token.lower().partition("@")
     engine, plus, dr = spec.partition("+")
     terrain = terrain or "flat"
-    sim = {"in_domain": train_sim, "zero_shot": next(e for e in ENGINES if e != train_sim)}.get(engine, engine)
+    sim = {"in_domain": train_sim, "zero_shot": ZERO_SHOT[train_sim]}.get(engine, engine)
     if sim not in ENGINES or (plus and dr != "dr") or terrain not in envs.TERRAIN_TYPES:
         raise InputError("--settings", f"bad setting {token!r}: use <engine>[+dr][@<terrain>], engine in "
                          f"{tuple(ENGINES) + ('in_domain', 'zero_shot')}, terrain in {envs.TERRAIN_TYPES}")
@@ -665,6 +682,103 @@ def evaluate_seed(env, policy, ckpt: dict, path, label: str, setting: Setting, s
         yield row, rec
 
 
+def deploy_setting(drift_mps: float) -> Setting:
+    return Setting("deploy" + (f"+drift{drift_mps:g}" if drift_mps else ""), "mujoco", False, "flat", False, drift_mps)
+
+
+def deploy_rows(onnx_path, label: str, setting: Setting, seeds, motion_paths: list[pathlib.Path], kinds: list[str]):
+    """deploy.py's episodes of an exported student (robot motions: a keypoint command has no robot start state), each
+    scored against the env's own 50 Hz reference (envs.MotionLib) like every other setting. Without drift the physics
+    is deterministic: one episode per clip; with drift one per clip and seed (its direction)."""
+    import deploy
+    policy = deploy.Policy(onnx_path)
+    robot = deploy.Robot(policy)
+    for seed in seeds if setting.deploy_drift_mps else seeds[:1]:
+        for path, kind in zip(motion_paths, kinds):
+            if kind != ROBOT:
+                continue
+            command = deploy.Command(path, policy)
+            rec = deploy.run_episode(policy, command, robot, setting.deploy_drift_mps, seed)
+            steps = len(rec["body_pos_w"])
+            ref = envs.MotionLib([path], "cpu").at_tick(torch.zeros(steps, dtype=torch.long), torch.arange(1, steps + 1))
+            rec.update(ref_body_pos_w=ref["body_pos"].numpy(), ref_body_quat_w=ref["body_quat"].numpy())
+            metrics = episode_metrics(rec)
+            failed = steps < command.num_ticks - 1
+            if failed:
+                metrics.update(success=0.0, success_strict=0.0)
+            yield {"label": label, "ckpt": str(onnx_path), "kind": "student_onnx", "setting": setting.name,
+                   "sim": "mujoco", "dr": 0, "terrain": "flat", "seed": seed, "command": kind,
+                   "motion": motion_name(path.stem), "clip": path.stem, "episode": 0, "steps": steps,
+                   "duration_s": steps * envs.CONTROL_DT_S, **metrics, "fell": float(failed),
+                   "time_out": int(not failed), "nan": int(not np.isfinite(rec["body_pos_w"]).all()), "truncated": 0,
+                   "pushes": 0}
+
+
+# The parity check: the inputs deploy.py builds vs the env's observations of the same MuJoCo state (float64 readings
+# vs the env's float32), and the ONNX graph's alpha vs the torch student's.
+PARITY_TOLERANCE = {"inputs": 1e-4, "alpha": 1e-3}  # m, rad, rad/s; rad
+
+
+def proprio_field(i: int) -> str:
+    """The name of entry i of a student_proprio / history row (DEPLOY_INPUTS)."""
+    fields = ([f"joint pos {n}" for n in ssjr.DOF_NAMES] + [f"joint vel {n}" for n in ssjr.DOF_NAMES]
+              + [f"gyro[{k}]" for k in range(3)] + [f"gravity[{k}]" for k in range(3)]
+              + [f"alpha {n}" for n in ssjr.DOF_NAMES])
+    return fields[i]
+
+
+def parity(args: Args) -> str:
+    """See Args.parity. Returns the verdict line (also printed)."""
+    import deploy
+    if len(args.ckpt) != 1 or len(args.onnx) != 1:
+        raise InputError("--parity", "give one student checkpoint (--ckpt) and its export (--onnx)")
+    torch_policy, ckpt = load_policy(args.ckpt[0], "cpu")
+    if ckpt["kind"] != "student":
+        raise InputError(args.ckpt[0], "--parity compares a student with its ONNX export: this is a teacher")
+    onnx_policy = deploy.Policy(args.onnx[0])
+    path = resolve_motions(args.motions, args.packet_dir)[0]
+    verdict, worst = "", {}
+    with opened_env(ckpt["env_cfg"], parse_setting("mujoco", "mujoco"), [path], 1, "cpu", seed=0) as env:
+        obs = env.reseed(0)
+        command = deploy.Command(path, onnx_policy)
+        command.keypoints_w = command.keypoints_w + env.ref_offset[0].numpy()  # the env places the clip on a tile
+        robot, data = deploy.Robot(onnx_policy), env.sim.datas[0]  # deploy's readings of the env's own MuJoCo state
+        reading = robot.read(data)
+        controller = deploy.Controller(onnx_policy, reading)
+        for t in range(args.max_steps or command.num_ticks - 1):
+            inputs = controller.inputs(reading, command)
+            alpha_onnx, y_onnx = onnx_policy(inputs)
+            alpha = torch_policy.act(obs)
+            pos, quat = (x[0, 0] for x in env.sim.body_state()[:2])
+            window = env.reference(env.window_steps)["body_pos"][0, :len(onnx_policy.keypoint_steps)]
+            terms = [("student_proprio", obs["student_proprio"][0]), ("history", obs["history"][0]),
+                     ("history_mask", obs["history_mask"][0]), ("terrain", obs["terrain"][0]),
+                     ("root_pos_w", pos), ("root_quat_w", quat), ("keypoints_w", window[:, env.keypoint_ids]),
+                     ("student_keypoints (Y_t in the graph)", obs["student_keypoints"][0]), ("alpha", alpha[0])]
+            for name, theirs in terms:
+                mine = {"student_keypoints (Y_t in the graph)": y_onnx, "alpha": alpha_onnx}.get(name, inputs.get(name))
+                err = np.abs(np.asarray(mine, np.float64) - theirs.double().numpy())
+                worst[name] = max(worst.get(name, 0.0), float(err.max()))
+                tolerance = PARITY_TOLERANCE["alpha" if name == "alpha" else "inputs"]
+                if err.max() > tolerance:
+                    index = np.unravel_index(err.argmax(), err.shape)
+                    field = f" ({proprio_field(index[-1])})" if name in ("student_proprio", "history") else ""
+                    verdict = (f"step {t}: {name}{list(index)}{field} differs: max error {err.max():.3g} "
+                               f"(tolerance {tolerance:g})")
+                    break
+            if verdict:
+                break
+            obs, _, done, _ = env.step(alpha)
+            before, reading = reading, robot.read(data)
+            controller.advance(alpha[0].double().numpy(), before, reading)
+            if done[0]:
+                break
+    verdict = verdict or (f"all inputs match: {t + 1} steps of {path.stem}; max errors "
+                          + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    print(verdict)
+    return verdict
+
+
 # --- 6. Main. ---
 def main(args: Args) -> dict:
     from tqdm import tqdm
@@ -672,13 +786,19 @@ def main(args: Args) -> dict:
     ckpt_labels = list(args.labels) or (stems if len(set(stems)) == len(stems) else list(args.ckpt))
     if len(ckpt_labels) != len(args.ckpt):
         raise InputError("--labels", f"one name per checkpoint: {ckpt_labels} for {list(args.ckpt)}")
-    if not (args.ckpt and args.seeds and min(args.seeds) >= 0 and min(args.num_envs, args.episodes) > 0
+    if not ((args.ckpt or args.onnx) and args.seeds and min(args.seeds) >= 0 and min(args.num_envs, args.episodes) > 0
             and len({*args.seeds}) == len(args.seeds) and len({*args.ckpt}) == len(args.ckpt)):
         raise InputError("--ckpt/--seeds/--num-envs/--episodes", "give distinct checkpoints, distinct seeds >= 0, >= 1 "
                                                                  "env and episode")
-    labels = list(dict.fromkeys(ckpt_labels))
-    train_sim = [teacher.load_checkpoint(p) for p in args.ckpt][0]["env_cfg"]["sim"]  # bad files fail here
-    settings = [parse_setting(t, train_sim) for t in args.settings]
+    onnx_labels = list(args.onnx_labels) or [pathlib.Path(p).stem for p in args.onnx]
+    if len(onnx_labels) != len(args.onnx):
+        raise InputError("--onnx-labels", f"one name per ONNX file: {onnx_labels} for {list(args.onnx)}")
+    if args.parity:
+        return {"parity": parity(args)}
+    labels = list(dict.fromkeys(ckpt_labels + onnx_labels))
+    train_sim = [teacher.load_checkpoint(p) for p in args.ckpt][0]["env_cfg"]["sim"] if args.ckpt else "genesis"
+    settings = [parse_setting(t, train_sim) for t in args.settings] if args.ckpt else []
+    deploy_settings = [deploy_setting(v) for v in args.root_drift_mps] if args.onnx else []
     motion_paths = resolve_motions(args.motions, args.packet_dir)
     clips, kinds = [p.stem for p in motion_paths], [ssjr.packet_kind(p) for p in motion_paths]
     episodes = {s.name: args.episodes if s.dr else 1 for s in settings}  # without DR: near-identical starts
@@ -697,12 +817,18 @@ def main(args: Args) -> dict:
                                                 args.max_steps):
                         rows.append(row)
                         bar.update(1)
+    for path, label in zip(args.onnx, onnx_labels):
+        for setting in deploy_settings:
+            bar.set_description(f"{label} | {setting.name}")
+            rows.extend(deploy_rows(path, label, setting, args.seeds, motion_paths, kinds))
     bar.close()
-    order = {"ckpt": list(args.ckpt), "setting": [s.name for s in settings], "clip": clips}
+    settings += deploy_settings
+    episodes.update({s.name: 1 for s in deploy_settings})
+    order = {"ckpt": list(args.ckpt) + list(args.onnx), "setting": [s.name for s in settings], "clip": clips}
     rows.sort(key=lambda r: (order["ckpt"].index(r["ckpt"]), order["setting"].index(r["setting"]), r["seed"],
                              order["clip"].index(r["clip"]), r["episode"]))  # episodes finish in any order
-    notes = coverage_notes(rows, list(args.ckpt), settings, {k: len(clips) * n * len(args.seeds)
-                                                             for k, n in episodes.items()}, args.max_steps)
+    notes = coverage_notes(rows, list(args.ckpt), settings[:len(settings) - len(deploy_settings)],
+                           {k: len(clips) * n * len(args.seeds) for k, n in episodes.items()}, args.max_steps)
     for note in notes:
         warnings.warn(note)
     return write_outputs(args.out_dir, rows, labels, settings, args.alpha, tuple(notes))

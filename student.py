@@ -71,7 +71,7 @@ class Args(teacher.RunArgs):
     teacher_ckpt: str = ""
     """the frozen teacher (teacher.py checkpoint); it also fixes the env configuration"""
     sim: str = ""
-    """engine to distil on: isaaclab | genesis ('' = the teacher's)"""
+    """engine to distil on: isaaclab | genesis | mujoco ('' = the teacher's)"""
     motions: str = ""
     """SSJR packet folder or file ('' = the teacher's motions)"""
     hcdr: Literal["finetune", "teacher", "scratch", "none"] = "finetune"
@@ -352,6 +352,33 @@ DEPLOY_INPUTS = {
 }
 
 
+# How a deployment builds those inputs and applies alpha: every choice, stated (metadata "contract"; deploy.py is
+# written from it alone). The numbers are the env's own.
+DEPLOY_CONTRACT = {
+    "physics_dt_s": envs.PHYSICS_DT_S, "decimation": envs.DECIMATION,
+    "pd_law": "at every physics step: tau = clip(kp (alpha - q) - kd qdot, -effort_limit_nm, effort_limit_nm) with q, "
+              "qdot read at that step; alpha held for the decimation steps of the control step",
+    "episode_start": "the robot in the motion's frame-0 state; control step t = 0 there; command tick k is the motion "
+                     "at time k * control_dt_s",
+    "proprio_steps": envs.TrackingEnv.STUDENT_PAST,
+    "proprio_rows": "row t = [s_t, alpha_(t-1)], s = joint pos (29), joint vel (29), gyro (3), gravity direction (3); "
+                    "before step 0 every row is row 0, with alpha_(-1) = the joint positions at the start",
+    "gravity_direction": "R_pelvis^T (0, 0, -1), unit: (0, 0, -1) when upright (minus the world z axis in the pelvis "
+                         "frame, g1_scene.xml sensor imu_upvector); gyro: sensor imu_ang_vel, pelvis frame",
+    "history_len": envs.TrackingEnv.HISTORY_LEN,
+    "history": "entry K-1 = (s_(t-1), alpha_(t-1)), oldest first: step t is not in it; entries before the start are "
+               "0 with history_mask False (at step t the last min(t, K) entries are True)",
+    "keypoint_steps": list(range(1 - envs.TrackingEnv.STUDENT_PAST, envs.TrackingEnv.STUDENT_FUTURE + 1)),
+    "keypoint_resampling": "tick k = the motion's keypoints at time k * control_dt_s, linear between the two nearest "
+                           "frames (ticks run up to the last frame); ticks before 0 read tick 0, past the end the last",
+    "terrain_grid": "index 11 i + j: the point (-0.5 + 0.1 i, -0.5 + 0.1 j) m in the pelvis heading frame (x forward, "
+                    "y left); value: pelvis z minus the ground z there",
+    "root_pose": "the pelvis pose in the command's world frame (z up, wxyz); on a robot an estimate",
+    "noise": "none added at deployment (training noise models the robot's sensors)",
+    "scene": "g1_scene.xml (MuJoCo: the G1 with the joint armature, damping and friction the training envs use)",
+}
+
+
 class OnnxPolicy(nn.Module):
     """The student with positional inputs (DEPLOY_INPUTS order); the SSJR command is computed inside the graph by
     ssjr.keypoint_command, the same function the env trains with. Outputs alpha and the command it read."""
@@ -400,7 +427,8 @@ def export(args: Export) -> pathlib.Path:
         meta = {"kind": "hord_student", "inputs": {k: DEPLOY_INPUTS[k] for k in names},
                 "output": "alpha: absolute PD targets [N, 29] rad; tau = kp (alpha - q) - kd qdot at 200 Hz, clamped "
                           "to effort_limit_nm; student_keypoints: the SSJR command Y_t the policy read",
-                "dof_names": list(ssjr.DOF_NAMES), "keypoint_names": list(ssjr.KEYPOINT_NAMES),
+                "contract": DEPLOY_CONTRACT, "dof_names": list(ssjr.DOF_NAMES), "body_names": list(ssjr.BODY_NAMES),
+                "keypoint_names": list(ssjr.KEYPOINT_NAMES),
                 "control_dt_s": envs.CONTROL_DT_S, "kp": kp.tolist(), "kd": kd.tolist(),
                 "effort_limit_nm": limit.tolist(), "env_cfg": ckpt["env_cfg"], "global_step": ckpt["global_step"],
                 "source_ckpt": str(args.ckpt)}

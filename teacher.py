@@ -78,7 +78,7 @@ class RunArgs:
 class Args(RunArgs):
     """PPO training of the HoRD teacher."""
     sim: str = "isaaclab"
-    """simulator: isaaclab (the paper's training engine) or genesis"""
+    """simulator: isaaclab (the paper's training engine), genesis or mujoco (CPU)"""
     motions: str = "data/packets/g1_moves"
     """SSJR packet folder or file (the held-out test clips are excluded)"""
     terrain: str = "mix"

@@ -278,7 +278,9 @@ def test_parse_setting():
     assert s.title == "Genesis+DR rough slope (OOD)"
     assert ev.parse_setting("in_domain", "genesis").name == "genesis"
     assert ev.parse_setting("isaaclab", "isaaclab").title == "IsaacLab (ID)"
-    for bad in ("mujoco", "genesis+noise", "genesis@stairs"):
+    assert ev.parse_setting("zero_shot", "mujoco").name == "genesis"
+    assert ev.parse_setting("mujoco+dr", "genesis").title == "MuJoCo+DR (OOD)"
+    for bad in ("physx", "genesis+noise", "genesis@stairs"):
         with pytest.raises(ValueError, match="bad setting"):
             ev.parse_setting(bad, "isaaclab")
 
