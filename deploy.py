@@ -104,7 +104,7 @@ class Robot:
         assert abs(self.model.opt.timestep - policy.contract["physics_dt_s"]) < 1e-9
 
     def place(self, command: Command) -> None:
-        """The motion's frame-0 state (the free joint: world position, wxyz, world linear and local angular velocity)."""
+        """The motion's frame-0 state (free joint: world position, wxyz, world linear and local angular velocity)."""
         d, s = self.data, command.start
         mujoco.mj_resetData(self.model, d)
         d.qpos[:3], d.qpos[3:7] = s["body_pos_w"][0], s["body_quat_w"][0]

@@ -1,14 +1,16 @@
-"""The randomized G1 motion-tracking environment of HoRD, on Isaac Lab and on Genesis, one interface.
+"""The randomized G1 motion-tracking environment of HoRD, on Isaac Lab, Genesis and MuJoCo, one interface.
 
     env = make_env(sim="genesis", num_envs=64, motions="data/packets/g1_moves", dr=DR(), terrain="mix")
     obs = env.reset()
     obs, reward, done, info = env.step(alpha)          # alpha: PD targets [N, 29] rad (MuJoCo joint order)
 
 The task (reference motion, observations, rewards, termination, episode-level domain randomization psi) is written
-once, in batched torch, above a thin per-engine adapter (`GenesisSim`, `IsaacLabSim`) that only steps physics, applies
-joint torques and reads/writes state. Physics runs at 200 Hz, the policy at 50 Hz (decimation 4); the PD law
-tau = kp * (alpha - q) - kd * qdot, the delay line and the gain randomization are computed here at every physics step,
-identically on both engines. On a CPU an engine steps on one core: the trainers scale out with torchrun.
+once, in batched torch, above a thin per-engine adapter (`GenesisSim`, `IsaacLabSim`, `MuJoCoSim`) that only steps
+physics, applies joint torques and reads/writes state. Physics runs at 200 Hz, the policy at 50 Hz (decimation 4); the
+PD law tau = kp * (alpha - q) - kd * qdot, the delay line and the gain randomization are computed here at every physics
+step, identically on every engine. On a CPU an engine steps on one core: the trainers scale out with torchrun.
+Isaac Lab 3.0 steps MuJoCo-Warp: MuJoCo and Isaac Lab are near twins, Genesis is the different physics (the real
+zero-shot test).
 
 Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading frame = root frame with yaw only):
 | key               | shape      | content                                                                         |
@@ -665,7 +667,7 @@ class MuJoCoSim:
         self.default_body_mass_kg = torch.tensor(base.body_mass[self.bodies], device=self.device).float().expand(
             num_envs, -1).clone()
         self._default_inertia, self._default_torso_com = base.body_inertia.copy(), base.body_ipos[self.torso].copy()
-        self._bad = [mujoco.mjtWarning.mjWARN_BADQPOS, mujoco.mjtWarning.mjWARN_BADQVEL, mujoco.mjtWarning.mjWARN_BADQACC]
+        self._bad = [getattr(mujoco.mjtWarning, f"mjWARN_BAD{x}") for x in ("QPOS", "QVEL", "QACC")]
         self._warnings = np.zeros(num_envs, np.int64)  # the bad-state warnings counted so far, per env
         self._blown_up = np.zeros(num_envs, bool)
         for m, d in zip(self.models, self.datas):

@@ -8,10 +8,12 @@
     python evaluate.py --ckpt t.pt s0.pt s1.pt s2.pt --labels teacher student student student   # training runs
 
 Settings: `<engine>[+dr][@<terrain>]`; engine = isaaclab | genesis | mujoco | in_domain (the first checkpoint's
-env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab for Genesis); +dr = envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise); terrain = flat |
-smooth_slope | rough_slope. One env per (checkpoint, setting): the checkpoint's env_cfg with these overrides and frame-0
-starts (env i plays clips i, i+N, ...), restarted by env.reseed(seed) for every seed, closed before the next is built
-(Isaac Lab: one live env per process).
+env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab for Genesis); +dr = envs.DR()
+(paper Table 5: dynamics psi, pushes, sensor noise); terrain = flat | smooth_slope | rough_slope. --onnx adds the
+settings deploy[+drift<v>]: the exported student played by deploy.py in MuJoCo from its ONNX contract alone. One env
+per (checkpoint, setting): the checkpoint's env_cfg with these overrides and frame-0 starts (env i plays clips i, i+N,
+...), restarted by env.reseed(seed) for every seed, closed before the next is built (Isaac Lab: one live env per
+process).
 
 Episodes. Under +dr every episode draws its own psi (body terms included), tile, pushes and sensor noise from a stream
 seeded by (seed, clip, episode) alone (envs.START_MODES): the episodes are independent samples, and the episodes of two
@@ -700,7 +702,8 @@ def deploy_rows(onnx_path, label: str, setting: Setting, seeds, motion_paths: li
             command = deploy.Command(path, policy)
             rec = deploy.run_episode(policy, command, robot, setting.deploy_drift_mps, seed)
             steps = len(rec["body_pos_w"])
-            ref = envs.MotionLib([path], "cpu").at_tick(torch.zeros(steps, dtype=torch.long), torch.arange(1, steps + 1))
+            ticks = torch.arange(1, steps + 1)  # the states after steps 1..T
+            ref = envs.MotionLib([path], "cpu").at_tick(torch.zeros_like(ticks), ticks)
             rec.update(ref_body_pos_w=ref["body_pos"].numpy(), ref_body_quat_w=ref["body_quat"].numpy())
             metrics = episode_metrics(rec)
             failed = steps < command.num_ticks - 1

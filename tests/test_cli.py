@@ -62,7 +62,7 @@ def bad_files(tmp_path_factory):
     (["teacher.py", "--preset", "cpu", "--motions", "{d}/keypoints"], ["keypoints: only human keypoint commands"]),
     (["teacher.py", "--preset", "cpu", "--motions", "{d}/keypoints/131_01_seg00.npz"], ["131_01_seg00.npz: only"]),
     (["teacher.py", "--preset", "cpu", "--amp"], ["--amp", "CUDA"]),
-    (["envs.py", "bench", "--sim", "mujoco"], ["--sim", "mujoco"]),
+    (["envs.py", "bench", "--sim", "physx"], ["--sim", "physx"]),
     (["student.py", "--preset", "cpu", "--teacher-ckpt", "{d}/truncated.pt"], ["truncated.pt: not a readable"]),
     (["student.py", "--preset", "cpu", "--teacher-ckpt", "{d}/student.pt"], ["expected a teacher checkpoint"]),
     (["student.py", "--preset", "cpu", "--resume", "{d}/teacher.pt", "--teacher-ckpt", "x"], ["found 'teacher'"]),
@@ -71,7 +71,8 @@ def bad_files(tmp_path_factory):
     (["evaluate.py", "--ckpt", "{d}/teacher.pt", "--seeds", "-1"], ["seeds >= 0"]),
     (["evaluate.py", "--ckpt", "{d}/truncated.pt"], ["truncated.pt: not a readable"]),
     (["evaluate.py", "--ckpt", "{d}/list.pt"], ["list.pt: expected a teacher or student checkpoint"]),
-    (["evaluate.py", "--ckpt", "{d}/teacher.pt", "--settings", "mujoco"], ["--settings", "mujoco"]),
+    (["evaluate.py", "--ckpt", "{d}/teacher.pt", "--settings", "physx"], ["--settings", "physx"]),
+    (["evaluate.py", "--ckpt", "{d}/teacher.pt", "--parity"], ["--parity", "--onnx"]),
     (["evaluate.py", "--ckpt", "{d}/ok.pt"], ["ok.pt: teacher checkpoint without ['args', 'obs_layout', 'env_cfg'"]),
 ])
 def test_user_errors_are_one_line(bad_files, argv, fragments):
