@@ -212,7 +212,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     """Online DAgger. `env`: an env already built from the teacher's env_cfg (tests share one); None builds it."""
     args, resume, device, rank, world = start_run(args, "student")
     if args.buffer_iterations < 1:
-        raise InputError("--buffer-iterations", f"must be at least 1 (the newest rollout), got {args.buffer_iterations}")
+        raise InputError("--buffer-iterations", f"must be at least 1 (the newest rollout): {args.buffer_iterations}")
     teacher_agent, tckpt = load_teacher(args.teacher_ckpt, device)
     args = dataclasses.replace(args, **{k: tckpt["args"][k] for k in MODEL_SIZES if getattr(args, k) is None})
     if resume is not None and resume["teacher"]["global_step"] != tckpt["global_step"]:

@@ -181,3 +181,20 @@ def test_a_teacher_trains_on_robot_motions_only(tmp_path, capsys):
     for motions in (tmp_path, tmp_path / "bvh_seg00.npz"):
         with pytest.raises(ssjr.InputError, match="only human keypoint commands"):
             teacher.robot_motions(str(motions))
+
+
+@pytest.mark.slow
+def test_both_stages_run_on_mujoco(train_packet, tmp_path):
+    """--sim mujoco through teacher.py and student.py (two iterations each, 16 envs): the checkpoints record the engine
+    and the student distils on it."""
+    import student
+    t_path = teacher.main(small_args(sim="mujoco", motions=str(train_packet), num_envs=16, num_steps=8,
+                                     minibatch_size=128, total_env_steps=2 * 16 * 8, performance_mode=False,
+                                     torch_threads=1, run_dir=str(tmp_path / "t")))
+    assert torch.load(t_path, weights_only=False)["env_cfg"]["sim"] == "mujoco"
+    s_args = dataclasses.replace(student.PRESETS["cpu"], teacher_ckpt=str(t_path), num_envs=16, num_steps=8,
+                                 minibatch_size=64, total_env_steps=2 * 16 * 8, torch_threads=1,
+                                 run_dir=str(tmp_path / "s"))
+    s_ckpt = torch.load(student.train(s_args), weights_only=False)
+    assert s_ckpt["env_cfg"]["sim"] == "mujoco" and s_ckpt["global_step"] == 2 * 16 * 8
+    assert teacher.read_log(tmp_path / "s")["iteration"] == [1, 2]
