@@ -25,14 +25,6 @@ import onnxruntime as ort
 SCENE_XML = pathlib.Path(__file__).resolve().parent / "g1_scene.xml"
 
 
-def yaw_rotation(quat_wxyz: np.ndarray) -> np.ndarray:
-    """The rotation by -yaw about z (world -> heading frame) of a wxyz quaternion, as a 3x3 matrix."""
-    w, x, y, z = quat_wxyz
-    yaw = np.arctan2(2 * (w * z + x * y), 1 - 2 * (y * y + z * z))
-    c, s = np.cos(yaw), np.sin(yaw)
-    return np.array([[c, s, 0.0], [-s, c, 0.0], [0.0, 0.0, 1.0]])
-
-
 class Policy:
     """The ONNX student and its contract (the metadata)."""
 
@@ -72,19 +64,22 @@ class Command:
             raise SystemExit(f"error: {path}: a human keypoint command has no robot start state: deploy plays robot "
                              "motions (SSJR packets from `python ssjr.py convert`)")
         bodies = list(packet["body_names"])
-        keypoints = [bodies.index(n) for n in policy.meta["keypoint_names"]]
+        order = [bodies.index(n) for n in policy.meta["body_names"]]  # the contract's body order, by name
         fps, n = float(packet["fps"]), len(packet["dof_pos"])
         # tick k at time k * control_dt_s, linear between the two nearest frames, up to the last frame (the contract)
         x = np.minimum(np.arange(int(np.floor((n - 1) / fps / policy.meta["control_dt_s"] + 1e-4)) + 1)
                        * policy.meta["control_dt_s"] * fps, n - 1)
         i0 = np.floor(x + 1e-6).astype(int)
         i1, w = np.minimum(i0 + 1, n - 1), np.clip(x - i0, 0.0, 1.0)[:, None, None]
-        pos = packet["body_pos_w"]
+        pos = packet["body_pos_w"][:, order]
         self.body_pos_w = pos[i0] + w.astype(np.float32) * (pos[i1] - pos[i0])  # [ticks, bodies, 3], for scoring
-        self.keypoints_w = self.body_pos_w[:, keypoints]
+        names = policy.meta["body_names"]
+        self.keypoints_w = self.body_pos_w[:, [names.index(n) for n in policy.meta["keypoint_names"]]]
         self.num_ticks = len(self.body_pos_w)
         dofs = [list(packet["dof_names"]).index(n) for n in policy.meta["dof_names"]]
-        self.start = {k: packet[k][0] for k in ("body_pos_w", "body_quat_w", "body_lin_vel_w", "body_ang_vel_w")}
+        pelvis = bodies.index("pelvis")
+        self.start = {k: packet[k][0, pelvis] for k in ("body_pos_w", "body_quat_w", "body_lin_vel_w",
+                                                          "body_ang_vel_w")}
         self.start_q, self.start_qd = packet["dof_pos"][0][dofs], packet["dof_vel"][0][dofs]
 
     def window(self, t: int, steps: np.ndarray) -> np.ndarray:
@@ -100,6 +95,7 @@ class Robot:
         self.data = mujoco.MjData(self.model)
         self.qpos_idx = np.array([self.model.joint(n).qposadr[0] for n in policy.meta["dof_names"]])
         self.qvel_idx = np.array([self.model.joint(n).dofadr[0] for n in policy.meta["dof_names"]])
+        self.pelvis = self.model.body("pelvis").id  # the floating base: qpos[0:7], qvel[0:6]
         self.decimation = policy.contract["decimation"]
         assert abs(self.model.opt.timestep - policy.contract["physics_dt_s"]) < 1e-9
 
@@ -107,10 +103,10 @@ class Robot:
         """The motion's frame-0 state (free joint: world position, wxyz, world linear and local angular velocity)."""
         d, s = self.data, command.start
         mujoco.mj_resetData(self.model, d)
-        d.qpos[:3], d.qpos[3:7] = s["body_pos_w"][0], s["body_quat_w"][0]
+        d.qpos[:3], d.qpos[3:7] = s["body_pos_w"], s["body_quat_w"]
         d.qpos[self.qpos_idx], d.qvel[self.qvel_idx] = command.start_q, command.start_qd
         mujoco.mj_kinematics(self.model, d)
-        d.qvel[:3], d.qvel[3:6] = s["body_lin_vel_w"][0], d.xmat[1].reshape(3, 3).T @ s["body_ang_vel_w"][0]
+        d.qvel[:3], d.qvel[3:6] = s["body_lin_vel_w"], d.xmat[self.pelvis].reshape(3, 3).T @ s["body_ang_vel_w"]
         mujoco.mj_step1(self.model, d)
 
     def read(self, data: mujoco.MjData | None = None) -> dict[str, np.ndarray]:
@@ -136,9 +132,9 @@ class Robot:
 class Controller:
     """What the robot keeps between control steps: its past readings and PD targets, stacked as the contract says."""
 
-    def __init__(self, policy: Policy, reading: dict[str, np.ndarray]):
+    def __init__(self, policy: Policy, reading: dict[str, np.ndarray], start_q: np.ndarray):
         self.policy, self.t = policy, 0
-        row = np.concatenate([self.state(reading), reading["q"]])  # before the start: alpha_{-1} = the start pose
+        row = np.concatenate([self.state(reading), start_q])  # before the start: alpha_(-1) = the motion's frame 0
         self.proprio = np.tile(row, (policy.proprio_len, 1))  # rows t-7..t, oldest first
         self.history = np.zeros((policy.history_len, row.size))  # (s, alpha) of steps t-16..t-1, oldest first
         self.history_mask = np.zeros(policy.history_len, bool)
@@ -154,7 +150,7 @@ class Controller:
         return {"student_proprio": self.proprio.astype(f),
                 "keypoints_w": command.window(self.t, self.policy.keypoint_steps).astype(f),
                 "root_pos_w": reading["root_pos_w"].astype(f), "root_quat_w": reading["root_quat_w"].astype(f),
-                "terrain": np.full(121, reading["root_pos_w"][2], f),  # flat ground at z = 0
+                "terrain": np.full(121, reading["root_pos_w"][2], f),  # a flat floor at z = 0 (g1_scene.xml)
                 "history": self.history.astype(f), "history_mask": self.history_mask.copy()}
 
     def advance(self, alpha: np.ndarray, reading_before: dict[str, np.ndarray], reading: dict[str, np.ndarray]):
@@ -175,7 +171,7 @@ def run_episode(policy: Policy, command: Command, robot: Robot, root_drift_mps: 
     horizontal direction (a robot's state estimator is never exact). Returns the recorded body poses per step."""
     robot.place(command)
     reading = robot.read()
-    controller = Controller(policy, reading)
+    controller = Controller(policy, reading, command.start_q)
     heading = np.random.default_rng(seed).uniform(0, 2 * np.pi)
     drift = root_drift_mps * np.array([np.cos(heading), np.sin(heading), 0.0])
     bodies = [robot.model.body(n).id for n in policy.meta["body_names"]]
@@ -199,7 +195,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--onnx", required=True, help="the exported student (python student.py export)")
     parser.add_argument("--motion", required=True, help="an SSJR robot-motion packet (.npz) to track")
-    parser.add_argument("--scene", default=str(SCENE_XML), help="MuJoCo scene with the G1 (default: g1_scene.xml)")
+    parser.add_argument("--scene", default=str(SCENE_XML), help="MuJoCo scene with the G1 on a flat floor at z = 0")
     parser.add_argument("--root-drift-mps", type=float, default=0.0, help="drift of the root position estimate")
     args = parser.parse_args(argv)
     policy = Policy(args.onnx)

@@ -747,7 +747,7 @@ def parity(args: Args) -> str:
         command.keypoints_w = command.keypoints_w + env.ref_offset[0].numpy()  # the env places the clip on a tile
         robot, data = deploy.Robot(onnx_policy), env.sim.datas[0]  # deploy's readings of the env's own MuJoCo state
         reading = robot.read(data)
-        controller = deploy.Controller(onnx_policy, reading)
+        controller = deploy.Controller(onnx_policy, reading, command.start_q)
         for t in range(args.max_steps or command.num_ticks - 1):
             inputs = controller.inputs(reading, command)
             alpha_onnx, y_onnx = onnx_policy(inputs)

@@ -357,23 +357,34 @@ DEPLOY_INPUTS = {
 DEPLOY_CONTRACT = {
     "physics_dt_s": envs.PHYSICS_DT_S, "decimation": envs.DECIMATION,
     "pd_law": "at every physics step: tau = clip(kp (alpha - q) - kd qdot, -effort_limit_nm, effort_limit_nm) with q, "
-              "qdot read at that step; alpha held for the decimation steps of the control step",
-    "episode_start": "the robot in the motion's frame-0 state; control step t = 0 there; command tick k is the motion "
-                     "at time k * control_dt_s",
+              "qdot read at that step (kp N m/rad, kd N m s/rad); alpha held for the decimation steps of the control "
+              "step; trained with 0-3 physics steps (0-15 ms) of delay before alpha reaches the motors (alpha_(t-1) "
+              "meanwhile), kp and kd +-10 %",
+    "joints": "q, qdot: the hinge angles of g1_scene.xml's joints in dof_names order (its zero pose and axis signs)",
+    "episode_start": "the robot at the motion's frame-0 state, control step t = 0 there; tick k of the command is the "
+                     "motion at time k * control_dt_s; the episode ends after the step that reaches the last tick",
+    "command_frame": "keypoints_w and the root pose share one world frame (z up, floor at z = 0): the training env "
+                     "shifts the clip horizontally so that its frame-0 pelvis is where the robot starts (on uneven "
+                     "ground each tick is raised by the ground height under that tick's reference pelvis)",
+    "keypoints": "keypoint j = the world position of the origin of the MJCF body keypoint_names[j]",
     "proprio_steps": envs.TrackingEnv.STUDENT_PAST,
     "proprio_rows": "row t = [s_t, alpha_(t-1)], s = joint pos (29), joint vel (29), gyro (3), gravity direction (3); "
-                    "before step 0 every row is row 0, with alpha_(-1) = the joint positions at the start",
+                    "before step 0 every row is row 0, with alpha_(-1) = the motion's frame-0 joint positions; alpha = "
+                    "the target actually sent (after any safety clipping)",
     "gravity_direction": "R_pelvis^T (0, 0, -1), unit: (0, 0, -1) when upright (minus the world z axis in the pelvis "
                          "frame, g1_scene.xml sensor imu_upvector); gyro: sensor imu_ang_vel, pelvis frame",
     "history_len": envs.TrackingEnv.HISTORY_LEN,
     "history": "entry K-1 = (s_(t-1), alpha_(t-1)), oldest first: step t is not in it; entries before the start are "
                "0 with history_mask False (at step t the last min(t, K) entries are True)",
     "keypoint_steps": list(range(1 - envs.TrackingEnv.STUDENT_PAST, envs.TrackingEnv.STUDENT_FUTURE + 1)),
-    "keypoint_resampling": "tick k = the motion's keypoints at time k * control_dt_s, linear between the two nearest "
-                           "frames (ticks run up to the last frame); ticks before 0 read tick 0, past the end the last",
+    "keypoint_resampling": "n frames at fps -> ticks k = 0 .. floor((n - 1) / (fps control_dt_s) + 1e-4): x = k "
+                           "control_dt_s fps, linear between frames floor(x) and floor(x) + 1; window ticks before 0 "
+                           "read tick 0, past the end the last tick",
     "terrain_grid": "index 11 i + j: the point (-0.5 + 0.1 i, -0.5 + 0.1 j) m in the pelvis heading frame (x forward, "
                     "y left); value: pelvis z minus the ground z there",
-    "root_pose": "the pelvis pose in the command's world frame (z up, wxyz); on a robot an estimate",
+    "root_pose": "the origin of the MJCF body pelvis (the floating base, not the IMU site) and its Hamilton wxyz "
+                 "quaternion rotating pelvis-frame vectors into the command frame (MuJoCo qpos[0:7]); on a robot an "
+                 "estimate",
     "noise": "none added at deployment (training noise models the robot's sensors)",
     "scene": "g1_scene.xml (MuJoCo: the G1 with the joint armature, damping and friction the training envs use)",
 }
