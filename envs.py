@@ -642,6 +642,7 @@ class MuJoCoSim:
 
     def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S):
         import mujoco
+        mujoco.set_mju_user_warning(lambda text: None)  # bad states are counted (nan_envs), not appended to a log file
         self.mj, self.num_envs, self.device = mujoco, num_envs, torch.device(device)
         spec = mujoco.MjSpec.from_file(str(SCENE_XML))
         spec.option.timestep = dt_s
