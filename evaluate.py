@@ -764,9 +764,9 @@ def parity(args: Args) -> str:
                 worst[name] = max(worst.get(name, 0.0), float(err.max()))
                 tolerance = PARITY_TOLERANCE["alpha" if name == "alpha" else "inputs"]
                 if err.max() > tolerance:
-                    index = np.unravel_index(err.argmax(), err.shape)
+                    index = [int(i) for i in np.unravel_index(err.argmax(), err.shape)]
                     field = f" ({proprio_field(index[-1])})" if name in ("student_proprio", "history") else ""
-                    verdict = (f"step {t}: {name}{list(index)}{field} differs: max error {err.max():.3g} "
+                    verdict = (f"step {t}: {name}{index}{field} differs: max error {err.max():.3g} "
                                f"(tolerance {tolerance:g})")
                     break
             if verdict:
