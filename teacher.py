@@ -61,7 +61,10 @@ class RunArgs:
     num_steps: int = 32
     """rollout length per env per iteration"""
     minibatch_size: int = 16384
-    """samples per gradient step and rank (the gradients are averaged over the ranks; the paper's teacher: 16384)"""
+    """samples per gradient step and rank (gradients averaged over ranks). Default: the paper's table (4096 envs,
+    batch 16384, 1 mini-epoch) read as ProtoMotions' batch_size: 8 steps per 131,072 samples, 61k steps per 1e9
+    env-steps. The authors' released config: --num-envs 512 --minibatch-size 1024, 16 steps per 16,384 samples, 977k
+    per 1e9 (16x the updates per sample at the same lr)"""
     update_epochs: int = 1
     """passes over each rollout (the paper's 'mini-epochs')"""
     max_grad_norm: float = 50.0
