@@ -10,7 +10,13 @@ physics, applies joint torques and reads/writes state. Physics runs at 200 Hz, t
 PD law tau = kp * (alpha - q) - kd * qdot, the delay line and the gain randomization are computed here at every physics
 step, identically on every engine. On a CPU an engine steps on one core: the trainers scale out with torchrun.
 Isaac Lab 3.0 steps MuJoCo-Warp: MuJoCo and Isaac Lab are near twins, Genesis is the different physics (the real
-zero-shot test).
+zero-shot test). What differs (the same MJCF, gains, armature, friction and floor everywhere):
+| engine    | integrator               | constraint solver (Newton)                  | contact time constant      |
+|-----------|--------------------------|---------------------------------------------|----------------------------|
+| Genesis   | approximate implicitfast | 25 iterations, 50 line search               | plane 0.01 s, MJCF 0.02 s |
+| Isaac Lab | implicitfast (MJWarp)    | 100 / 50, tolerance 1e-6, pyramidal cones   | MJCF solref 0.02 s         |
+| MuJoCo    | implicitfast             | 100 / 50, tolerance 1e-8, pyramidal cones   | MJCF solref 0.02 s         |
+Collision: Genesis runs its own narrow phase on the MJCF capsules; Isaac Lab and MuJoCo run MuJoCo's.
 
 Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading frame = root frame with yaw only):
 | key               | shape      | content                                                                         |
