@@ -79,6 +79,7 @@ ARMATURE = 0.03  # kg m^2, every joint (authors' earlier code)
 JOINT_FRICTION = 0.03  # N m, dry friction (frictionloss)
 JOINT_DAMPING = 0.05  # N m s/rad, passive joint damping (on top of the PD's kd)
 FEET = ("left_ankle_roll_link", "right_ankle_roll_link")  # the links whose friction is the ground-foot friction
+GROUND_FRICTION = 0.01  # every engine: contact friction = max of the pair, so the feet's friction decides
 # Contact softness: the time constant of MuJoCo's default solref, which Isaac Lab (MJWarp) and MuJoCo apply to the
 # MJCF's geoms; Genesis' own default is 0.01 s (stiffer), and that difference alone carried most of the Genesis ->
 # MuJoCo-family zero-shot gap of a Genesis-trained student (docs/experiments.md)
@@ -319,8 +320,7 @@ class GenesisSim:
         ground = gs.morphs.Plane() if terrain.is_flat else gs.morphs.Terrain(
             height_field=terrain.heights_m, horizontal_scale=terrain.cell_m, vertical_scale=1.0,
             pos=(*terrain.origin_m, 0.0))
-        # contact friction = max of the pair: with the ground at 0.01, the feet decide
-        self.scene.add_entity(ground, material=gs.materials.Rigid(friction=0.01))
+        self.scene.add_entity(ground, material=gs.materials.Rigid(friction=GROUND_FRICTION))
         self.robot = self.scene.add_entity(gs.morphs.MJCF(file=str(ssjr.g1_mjcf_path())))
         self.scene.build(n_envs=num_envs)
         links = [self.robot.get_link(b) for b in ssjr.BODY_NAMES]
@@ -618,7 +618,6 @@ class IsaacLabSim:
 
 # The MuJoCo scene that envs.py and deploy.py both load: shipped, so a deployment steps the physics training saw.
 SCENE_XML = pathlib.Path(__file__).resolve().parent / "g1_scene.xml"
-GROUND_FRICTION = 0.01  # every engine: contact friction = max of the pair, so the feet's friction decides
 IMU_SENSORS = ("imu_ang_vel", "imu_upvector")  # the pelvis IMU: gyro (pelvis frame), world z axis in the pelvis frame
 
 
@@ -674,6 +673,7 @@ class MuJoCoSim:
         self._scratch = mujoco.MjData(base)  # for mj_setConst after body writes (it overwrites the state it is given)
         ids = {name: mujoco.mj_name2id(base, mujoco.mjtObj.mjOBJ_BODY, name) for name in ssjr.BODY_NAMES}
         self.bodies = np.array([ids[name] for name in ssjr.BODY_NAMES])
+        self.pelvis = ids["pelvis"]  # the free base and root of the robot's tree
         assert [base.joint(i).name for i in range(1, 30)] == list(ssjr.DOF_NAMES)  # qpos 7.., qvel 6.. in our order
         self.torso = ids["torso_link"]
         self.feet = np.flatnonzero(np.isin(base.geom_bodyid, [ids[f] for f in FEET]))
@@ -720,7 +720,7 @@ class MuJoCoSim:
         b = self.bodies
         pos = np.stack([d.xpos[b] for d in self.datas])
         cvel = np.stack([d.cvel[b] for d in self.datas])
-        com = np.stack([d.subtree_com[1] for d in self.datas])  # body 1: the pelvis, root of the robot's tree
+        com = np.stack([d.subtree_com[self.pelvis] for d in self.datas])
         ang = cvel[..., :3]
         lin = cvel[..., 3:] + np.cross(ang, pos - com[:, None])
         return self._t(pos), self._t(np.stack([d.xquat[b] for d in self.datas])), self._t(lin), self._t(ang)
@@ -738,7 +738,7 @@ class MuJoCoSim:
         lin, ang = lin_vel_w.cpu().double().numpy(), ang_vel_w.cpu().double().numpy()
         for k, i in enumerate(self._ids(env_ids)):
             d = self.datas[i]
-            d.qvel[:3], d.qvel[3:6] = lin[k], d.xmat[1].reshape(3, 3).T @ ang[k]
+            d.qvel[:3], d.qvel[3:6] = lin[k], d.xmat[self.pelvis].reshape(3, 3).T @ ang[k]
             self._refresh(i)
 
     def set_gravity(self, env_ids, g_w) -> None:

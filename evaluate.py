@@ -695,15 +695,15 @@ def deploy_rows(onnx_path, label: str, setting: Setting, seeds, motion_paths: li
     import deploy
     policy = deploy.Policy(onnx_path)
     robot = deploy.Robot(policy)
-    for seed in seeds if setting.deploy_drift_mps else seeds[:1]:
-        for path, kind in zip(motion_paths, kinds):
-            if kind != ROBOT:
-                continue
-            command = deploy.Command(path, policy)
+    for path, kind in zip(motion_paths, kinds):
+        if kind != ROBOT:
+            continue
+        command, reference = deploy.Command(path, policy), envs.MotionLib([path], "cpu")
+        for seed in seeds if setting.deploy_drift_mps else seeds[:1]:
             rec = deploy.run_episode(policy, command, robot, setting.deploy_drift_mps, seed)
             steps = len(rec["body_pos_w"])
             ticks = torch.arange(1, steps + 1)  # the states after steps 1..T
-            ref = envs.MotionLib([path], "cpu").at_tick(torch.zeros_like(ticks), ticks)
+            ref = reference.at_tick(torch.zeros_like(ticks), ticks)
             rec.update(ref_body_pos_w=ref["body_pos"].numpy(), ref_body_quat_w=ref["body_quat"].numpy())
             metrics = episode_metrics(rec)
             failed = steps < command.num_ticks - 1
@@ -825,13 +825,12 @@ def main(args: Args) -> dict:
             bar.set_description(f"{label} | {setting.name}")
             rows.extend(deploy_rows(path, label, setting, args.seeds, motion_paths, kinds))
     bar.close()
+    notes = coverage_notes(rows, list(args.ckpt), settings, {k: len(clips) * n * len(args.seeds)
+                                                             for k, n in episodes.items()}, args.max_steps)
     settings += deploy_settings
-    episodes.update({s.name: 1 for s in deploy_settings})
     order = {"ckpt": list(args.ckpt) + list(args.onnx), "setting": [s.name for s in settings], "clip": clips}
     rows.sort(key=lambda r: (order["ckpt"].index(r["ckpt"]), order["setting"].index(r["setting"]), r["seed"],
                              order["clip"].index(r["clip"]), r["episode"]))  # episodes finish in any order
-    notes = coverage_notes(rows, list(args.ckpt), settings[:len(settings) - len(deploy_settings)],
-                           {k: len(clips) * n * len(args.seeds) for k, n in episodes.items()}, args.max_steps)
     for note in notes:
         warnings.warn(note)
     return write_outputs(args.out_dir, rows, labels, settings, args.alpha, tuple(notes))
