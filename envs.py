@@ -41,7 +41,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import logging
 import math
+import os
 import pathlib
 import shutil
 import tempfile
@@ -304,10 +306,21 @@ class GenesisSim:
     def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S,
                  performance_mode: bool = False):
         import genesis as gs
+        import quadrants  # Genesis' kernel compiler (imported by genesis)
         if not getattr(gs, "_initialized", False):
+            cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser()
+            if not (cache / "quadrants").exists():
+                print(f"Genesis: first run on this machine: compiling its physics kernels, a few minutes on 2 cores "
+                      f"(once; cached in {cache}/quadrants and {cache}/genesis)", flush=True)
+            elif performance_mode:
+                print(f"Genesis: compiling kernels for {num_envs} envs (performance mode: about a minute at every "
+                      f"start)", flush=True)
             gs.init(backend=gs.cpu if device == "cpu" else gs.gpu, logging_level="warning", precision="32",
                     performance_mode=performance_mode)
             GenesisSim.performance_mode = performance_mode
+            quadrants.set_logging_level("error")  # compiler notes (loop_config, implicit int32 casts): not for users
+            # the MJCF gives every body's inertia, yet Genesis estimates one from each mesh and warns that it can't
+            logging.getLogger("genesis").addFilter(lambda record: "not watertight" not in record.getMessage())
         elif GenesisSim.performance_mode != performance_mode:
             raise ValueError(f"Genesis runs with performance_mode={GenesisSim.performance_mode} in this process")
         self.num_envs, self.device = num_envs, torch.device(device)

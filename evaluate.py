@@ -139,6 +139,9 @@ class Args:
     """row names of the ONNX files (default: file stems); a checkpoint's label puts the export beside it"""
     root_drift_mps: tuple[float, ...] = (0.0,)
     """deploy settings: drift speed of the root position estimate (a random horizontal direction per seed)"""
+    render: str = ""
+    """draw the first episode (of the first checkpoint, setting and seed) to this .png (8 frames), .gif or .mp4: the
+    robot's bodies in blue, the reference's keypoints in orange"""
     parity: bool = False
     """instead of evaluating: step the MuJoCo env with the student (--ckpt) on the first motion and compare, term by
     term, the inputs deploy.py builds from the same MuJoCo states with the env's observations, and the ONNX (--onnx)
@@ -413,6 +416,8 @@ def push_markdown(rows: list[dict], labels: list[str], settings: list[Setting], 
 
     def cell(sel: list[dict], s: Setting) -> str:
         pushed = [r for r in sel if r["pushes"] > 0]
+        if sel and not pushed:  # pushes come every push_interval_s: a policy that falls sooner is never pushed
+            return f"n/a: every episode ended before its first push [0/{len(sel)}]"
         return f"{_cell(pushed, metric, s.dr)} [{len(pushed)}/{len(sel)}]"
     body = [[label] + [cell(by.get((label, s.name), []), s) for s in settings] for label in labels]
     return _md(["Method"] + [f"{s.title} {name} [pushed/all episodes]" for s in settings], body)
@@ -816,10 +821,14 @@ def main(args: Args) -> dict:
             with opened_env(ckpt["env_cfg"], setting, motion_paths, len(plan), args.device, args.seeds[0]) as env:
                 for seed in args.seeds:
                     bar.set_description(f"{label} | {setting.name} | seed {seed}")
-                    for row, _ in evaluate_seed(env, policy, ckpt, path, label, setting, seed, clips, kinds, plan,
-                                                args.max_steps):
+                    for row, rec in evaluate_seed(env, policy, ckpt, path, label, setting, seed, clips, kinds, plan,
+                                                  args.max_steps):
                         rows.append(row)
                         bar.update(1)
+                        if args.render and len(rows) == 1:
+                            ssjr.render_motion(rec["body_pos_w"], args.render, 1 / envs.CONTROL_DT_S,
+                                               rec["ref_body_pos_w"][:, ssjr.KEYPOINT_BODY_IDS],
+                                               title=f"{label} | {setting.name} | {row['clip']}")
     for path, label in zip(args.onnx, onnx_labels):
         for setting in deploy_settings:
             bar.set_description(f"{label} | {setting.name}")

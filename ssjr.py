@@ -31,7 +31,8 @@ import torch
 import tyro
 
 REPO = pathlib.Path(__file__).resolve().parent
-DATA_ROOT = pathlib.Path(os.environ.get("HORD_DATA", REPO.parent / "shared" / "data"))
+SAMPLES = REPO / "data" / "samples"  # the motions shipped with the code (data/samples/README.md: licences)
+DATA_ROOT = pathlib.Path(os.environ.get("HORD_DATA", REPO.parent / "shared" / "data"))  # the full data sets
 ASSETS = REPO / "assets"
 MJLAB_WHEEL = "mjlab==1.6.0"  # Apache-2.0 wheel that ships the Unitree G1 29-DoF MJCF (model BSD-3, Unitree)
 

@@ -46,8 +46,9 @@ class RunArgs:
     """name of this experiment (run folder prefix)"""
     seed: int = 0
     """seed of torch, numpy, random and the env (rank r of a torchrun job uses seed + r)"""
-    device: str = "cuda"
-    """torch / simulation device (no silent fallback: cuda without a GPU is an error; --device cpu runs on purpose)"""
+    device: str = ""
+    """torch / simulation device ('': cuda, or a resumed run's own; no silent fallback: cuda without a GPU is an error,
+    --device cpu runs on purpose)"""
     amp: bool = False
     """bf16 autocast of the forward passes (CUDA; fp32 matmuls use TF32 there anyway)"""
     torch_threads: int = 0
@@ -155,18 +156,17 @@ class RunningNorm(nn.Module):
     def update(self, x: torch.Tensor):
         x = x.reshape(-1, *self.mean.shape)
         x = x[torch.isfinite(x).flatten(1).all(-1)]
+        sums = torch.stack([torch.full_like(self.mean, len(x)), x.sum(0)])
         if dist.is_initialized():  # the batch of every rank (two passes): all ranks keep the same statistics
-            sums = torch.stack([torch.full_like(self.mean, len(x)), x.sum(0)])
             dist.all_reduce(sums)
-            n = int(sums[0].flatten()[0])
-            batch_mean = sums[1] / max(n, 1)
-            batch_var = (x - batch_mean).pow(2).sum(0)
-            dist.all_reduce(batch_var)
-            batch_var /= max(n, 1)
-        else:
-            n, batch_mean, batch_var = len(x), x.mean(0), x.var(0, unbiased=False)
+        n = int(sums[0].flatten()[0])
         if n == 0:
             return
+        batch_mean = sums[1] / n
+        batch_var = (x - batch_mean).pow(2).sum(0)
+        if dist.is_initialized():
+            dist.all_reduce(batch_var)
+        batch_var /= n
         delta, total = batch_mean - self.mean, self.count + n
         self.mean += delta * n / total
         self.var = (self.var * self.count + batch_var * n + delta.pow(2) * self.count * n / total) / total
@@ -411,9 +411,18 @@ def parse_args(presets: dict | None = None):
 
 
 def start_run(args, kind: str):
-    """Threads, device (checked within seconds, before any engine or checkpoint), process group (torchrun: nccl on
-    CUDA, gloo on the CPU), seeds (rank r: seed + r), and the --resume checkpoint of `kind`, whose settings replace
-    `args` but for the budget and the device. Returns (args, resume checkpoint or None, device, rank, world)."""
+    """The --resume checkpoint of `kind` (its settings replace `args` but for the budget, and the device when --device
+    is given), threads, device (checked before any engine starts), process group (torchrun: nccl on CUDA, gloo on the
+    CPU), seeds (rank r: seed + r). Returns (args, resume checkpoint or None, device, rank, world)."""
+    resume = load_checkpoint(args.resume, kind) if args.resume else None
+    if resume is not None and "rng" not in resume:
+        raise InputError(args.resume, "weights only (a shipped model): it can be evaluated, exported or distilled "
+                                      "from, not resumed")
+    if resume is not None:  # the checkpoint fixes the env and the model; the run goes on in its folder
+        args = dataclasses.replace(checkpoint_args(args.resume, resume, type(args)), resume=args.resume,
+                                   run_dir=str(pathlib.Path(args.resume).parent), total_env_steps=args.total_env_steps,
+                                   device=args.device or resume["args"]["device"], amp=args.amp)
+    args = dataclasses.replace(args, device=args.device or "cuda")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     device = torch.device(args.device)
@@ -422,7 +431,7 @@ def start_run(args, kind: str):
     if device.type != "cuda" and args.amp:
         raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {args.device}", f"CUDA is not available on this machine (torch "
+        raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
                          f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
     if device.type == "cuda":  # fp32 matmuls and convolutions use TF32; the CPU path stays exact fp32
         torch.cuda.set_device(device)
@@ -436,15 +445,11 @@ def start_run(args, kind: str):
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    resume = load_checkpoint(args.resume, kind) if args.resume else None
-    if resume is not None:  # the checkpoint fixes the env and the model; the run goes on in its folder
+    if resume is not None:
         # resume["rng"] := this rank's saved streams; None (fresh seed + rank streams) if fewer ranks wrote it or it
         # was written on another device type (whose generators differ)
         states = resume["rng"] if torch.device(resume["args"]["device"]).type == device.type else []
         resume["rng"] = states[rank] if rank < len(states) else None
-        args = dataclasses.replace(checkpoint_args(args.resume, resume, type(args)), resume=args.resume,
-                                   run_dir=str(pathlib.Path(args.resume).parent),
-                                   total_env_steps=args.total_env_steps, device=args.device, amp=args.amp)
     return args, resume, device, rank, world
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: SSJR packets converted once per test session from the real data in ../shared/data."""
+"""Shared fixtures: SSJR packets converted once per test session from the sample motions in data/samples."""
 import pathlib
 import sys
 
@@ -21,9 +21,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def packets(tmp_path_factory) -> pathlib.Path:
     """Two real G1 Moves clips (one training, one held-out test clip) as SSJR packets."""
-    src = ssjr.DATA_ROOT / "g1_moves"
-    if not src.exists():
-        pytest.skip(f"G1 Moves data not found at {src} (set HORD_DATA)")
+    src = ssjr.SAMPLES / "g1_moves"
     out = tmp_path_factory.mktemp("packets")
     ssjr.convert(ssjr.Convert(src=(src / TRAIN_CLIP, src / "bonus" / "B_HandsUp.csv"), out=out))
     return out

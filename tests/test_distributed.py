@@ -106,8 +106,8 @@ def test_torchrun_teacher_is_deterministic_and_resumes_on_2_and_on_1_ranks(train
     launch(2, "teacher.py", "--preset", "cpu", "--resume", str(tmp_path / "a" / "teacher.pt"), "--total-env-steps",
            str(3 * per_it))
     assert torch.load(tmp_path / "a" / "teacher.pt", weights_only=False)["iteration"] == 3
-    out = subprocess.run([sys.executable, "teacher.py", "--preset", "cpu", "--resume",
-                          str(tmp_path / "c" / "teacher.pt"),
+    # no --preset cpu and no --device: a resumed CPU run stays on the CPU (its checkpoint's device)
+    out = subprocess.run([sys.executable, "teacher.py", "--resume", str(tmp_path / "c" / "teacher.pt"),
                           "--total-env-steps", str(2 * per_it + 8 * 8)], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     one = torch.load(tmp_path / "c" / "teacher.pt", weights_only=False)

@@ -313,6 +313,12 @@ def test_episode_plan_keeps_each_clip_exactly_episodes_times(n, clips, eps):
         assert not p or p[-1] is not None
 
 
+def test_a_push_table_without_pushed_episodes_says_why():
+    rows = [dict(r, pushes=0) for r in fake_rows(settings=("genesis+dr",))]
+    table = ev.push_markdown(rows, ["HoRD", "w/o HCDR"], [ev.parse_setting("genesis+dr", "genesis")])
+    assert "| HoRD | n/a: every episode ended before its first push [0/12] |" in table
+
+
 def fake_rows(labels=("HoRD", "w/o HCDR"), settings=("isaaclab", "genesis+dr"), seeds=(0, 1),
               clips=("a_seg00", "a_seg01", "b"), episodes=2, command=ev.ROBOT):
     """Episode rows as evaluate_seed makes them: the ablation (second label) fails (falls in) every episode 1 and
@@ -648,7 +654,8 @@ def scripted_main(tmp_path, monkeypatch, fail_label="nohcdr", raise_at_step=None
 def test_main_end_to_end_on_scripted_envs(tmp_path, monkeypatch):
     """The whole command (checkpoints -> settings -> seeds -> episodes -> files) with the env and policy scripted."""
     args, built = scripted_main(tmp_path, monkeypatch)
-    summary = ev.main(args)
+    summary = ev.main(dataclasses.replace(args, render=str(tmp_path / "first.png")))
+    assert (tmp_path / "first.png").stat().st_size > 10_000  # the first episode, drawn
     # one env per (checkpoint, setting), built with the first seed, reseeded for every seed, closed after
     assert len(built) == 4 and all(e.closed and e.seeds == [3, 5] and e.build_seed == 3 for e in built)
     assert summary["labels"] == ["HoRD", "HoRD w/o HCDR"] and summary["clips"] == ["a_seg00", "a_seg01", "b"]
@@ -731,7 +738,7 @@ def test_main_on_human_keypoint_commands(tmp_path, monkeypatch):
 def handsup_packets(tmp_path_factory):
     """The shortest test-split clip (B_HandsUp, 7.4 s: one segment) converted to an SSJR packet."""
     out = tmp_path_factory.mktemp("packets")
-    ssjr.convert(ssjr.Convert(src=(ssjr.DATA_ROOT / "g1_moves" / "bonus" / "B_HandsUp.csv",), out=out))
+    ssjr.convert(ssjr.Convert(src=(ssjr.SAMPLES / "g1_moves" / "bonus" / "B_HandsUp.csv",), out=out))
     return sorted(out.glob("*.npz"))
 
 
@@ -739,7 +746,7 @@ def handsup_packets(tmp_path_factory):
 def keypoint_command(tmp_path_factory):
     """A human keypoint command (CMU BVH 131_02, first segment) as `ssjr.py convert` writes it."""
     out = tmp_path_factory.mktemp("keypoints")
-    ssjr.convert(ssjr.Convert(src=(ssjr.DATA_ROOT / "cmu_bvh" / "131_02.bvh",), out=out))
+    ssjr.convert(ssjr.Convert(src=(ssjr.SAMPLES / "cmu_bvh" / "131_02.bvh",), out=out))
     return out / "131_02_seg00.npz"
 
 

@@ -280,9 +280,8 @@ def test_phc_pkl_needs_the_23dof_flag_then_maps_wrists_to_zero(tmp_path):
     assert p["body_pos_w"].shape[1:] == (30, 3) and "MIT" in p["license"]
 
 
-@needs_data
 def test_bvh_becomes_g1_sized_keypoint_commands(kin, tmp_path):
-    bvh = ssjr.DATA_ROOT / "cmu_bvh" / "131_02.bvh"
+    bvh = ssjr.SAMPLES / "cmu_bvh" / "131_02.bvh"
     (m,) = ssjr.load_motions(bvh)
     assert isinstance(m, ssjr.HumanMotion) and m.fps == pytest.approx(120, rel=1e-3)
     thigh = np.linalg.norm(m.joints[:, 1] - m.joints[:, 3], axis=-1)
@@ -428,7 +427,7 @@ def test_folder_with_a_bad_file_converts_the_rest(tmp_path):
 
 
 def test_bvh_with_an_infinite_frame_time_is_a_clear_error(tmp_path):
-    text = (ssjr.DATA_ROOT / "cmu_bvh" / "131_02.bvh").read_text()
+    text = (ssjr.SAMPLES / "cmu_bvh" / "131_02.bvh").read_text()
     start = text.index("Frame Time:")
     bad = tmp_path / "inf.bvh"
     bad.write_text(text[:start] + "Frame Time: inf" + text[text.index("\n", start):])
