@@ -48,6 +48,7 @@ import pathlib
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,7 +138,7 @@ class DR:
 
     def sensor_std(self) -> torch.Tensor:
         """Noise std of each field of s [64]: dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
-        return torch.tensor([self.noise_dof_pos_rad] * 29 + [self.noise_dof_vel_rad_s] * 29
+        return torch.tensor([self.noise_dof_pos_rad] * ssjr.NUM_DOF + [self.noise_dof_vel_rad_s] * ssjr.NUM_DOF
                             + [self.noise_ang_vel_rad_s] * 3 + [self.noise_gravity] * 3)
 
 
@@ -271,7 +272,7 @@ def keypoints_to_packet(cmd: dict) -> dict:
     Only the keypoints are meaningful: use info['metrics']['keypoint_err_m'] to score such motions."""
     stance = [next((v for k, v in DEFAULT_STANCE_RAD.items() if name.endswith(k + "_joint")), 0.0)
               for name in ssjr.DOF_NAMES]
-    dof = np.broadcast_to(np.array(stance, np.float32), (len(cmd["keypoints_w"]), 29)).copy()
+    dof = np.broadcast_to(np.array(stance, np.float32), (len(cmd["keypoints_w"]), ssjr.NUM_DOF)).copy()
     root_pos = torch.as_tensor(cmd["keypoints_w"][:, ssjr.KEYPOINT_NAMES.index("pelvis")])
     pos, quat = ssjr.G1Kinematics().forward(root_pos, torch.as_tensor(cmd["root_quat_w"]), torch.as_tensor(dof))
     pos = pos.numpy().copy()
@@ -343,8 +344,8 @@ class GenesisSim:
         self.feet = [self.links[ssjr.BODY_NAMES.index(f)] for f in FEET]
         self.default_body_mass_kg = self._t(self.robot.get_links_mass(self.links))
         self.default_torso_com = self._t(self.robot.get_links_COM([self.torso]))[:, 0]
-        self.robot.set_dofs_kp(torch.zeros(num_envs, 29), self.dofs)
-        self.robot.set_dofs_kv(torch.zeros(num_envs, 29), self.dofs)
+        self.robot.set_dofs_kp(torch.zeros(num_envs, ssjr.NUM_DOF), self.dofs)
+        self.robot.set_dofs_kv(torch.zeros(num_envs, ssjr.NUM_DOF), self.dofs)
         from genesis.utils.array_class import ErrorCode
         from genesis.utils.misc import qd_to_torch
         self._errno = qd_to_torch(self.scene.rigid_solver._errno, copy=False)  # the per-env error flags, a live view
@@ -488,8 +489,12 @@ class IsaacLabSim:
         from isaaclab.app import launch_simulation
         from isaaclab.assets import ArticulationCfg, AssetBaseCfg
         from isaaclab.scene import InteractiveScene, InteractiveSceneCfg
+        from isaaclab.utils.timer import Timer
         from isaaclab_newton.physics import MJWarpSolverCfg, NewtonCfg
         from newton import ModelFlags
+
+        Timer.enable_display_output = False  # "Finalize builder took: ..." at every build: not for users
+        warnings.filterwarnings("ignore", "Newton shape color replacement", FutureWarning)  # Isaac Lab's own note
 
         if sim_utils.SimulationContext.instance() is not None:
             raise RuntimeError("an Isaac Lab SimulationContext already exists in this process: close() it first")
@@ -954,7 +959,7 @@ class TrackingEnv:
         if body:
             self.sim.set_body_mass(ids, self.default_mass[ids] * psi["mass_scale"][:, None])
             self.sim.set_com_offset(ids, torch.stack([psi[f"com_offset_{a}_m"] for a in "xyz"], -1))
-            js = psi["joint_scale"][:, None].expand(len(ids), 29)
+            js = psi["joint_scale"][:, None].expand(len(ids), ssjr.NUM_DOF)
             self.sim.set_joint_params(ids, ARMATURE * js, JOINT_DAMPING * js, JOINT_FRICTION * js)
         self.sim.set_friction(ids, psi["friction"])
         self.sim.set_gravity(ids, torch.nn.functional.pad(-psi["gravity_mps2"][:, None], (2, 0)))

@@ -46,6 +46,7 @@ DOF_NAMES = tuple(f"{side}_{j}_joint" for side in ("left", "right")
     "waist_yaw_joint", "waist_roll_joint", "waist_pitch_joint") + tuple(
     f"{side}_{j}_joint" for side in ("left", "right")
     for j in ("shoulder_pitch", "shoulder_roll", "shoulder_yaw", "elbow", "wrist_roll", "wrist_pitch", "wrist_yaw"))
+NUM_DOF = len(DOF_NAMES)  # 29
 # MJCF tree order: pelvis, then body i+1 is the child link moved by DOF_NAMES[i].
 BODY_NAMES = ("pelvis",) + tuple(n.replace("_joint", "_link") for n in DOF_NAMES[:14]) + ("torso_link",) + tuple(
     n.replace("_joint", "_link") for n in DOF_NAMES[15:])
@@ -1000,6 +1001,7 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
     out_path = pathlib.Path(out_path)
     if out_path.suffix.lower() not in (".png", ".mp4", ".gif"):
         raise InputError(out_path, "render to .png, .mp4 or .gif")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     pos = np.asarray(body_pos, dtype=np.float64)
     edges = {len(BODY_NAMES): [(p, i) for i, p in enumerate(BODY_PARENTS) if p >= 0],
              len(KEYPOINT_NAMES): KEYPOINT_EDGES}.get(pos.shape[1], ())

@@ -125,7 +125,7 @@ class StudentPolicy(nn.Module):
         super().__init__()
         self.actor = teacher.TokenPolicy(layout, ("student_proprio", "student_keypoints"), args,
                                          hcdr=args.hcdr != "none")
-        self.register_buffer("alpha_0", torch.zeros(29))  # nominal pose (see the module docstring)
+        self.register_buffer("alpha_0", torch.zeros(ssjr.NUM_DOF))  # nominal pose (see the module docstring)
 
     def forward(self, obs: dict) -> torch.Tensor:
         return self.alpha_0 + self.actor(obs)
@@ -256,7 +256,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     n, T = args.num_envs, args.num_steps
     capacity = args.buffer_iterations * T * n
     data_obs = {k: torch.zeros((capacity, *layout[k]), dtype=obs[k].dtype, device=device) for k in STUDENT_OBS}
-    data_labels = torch.zeros(capacity, 29, device=device)
+    data_labels = torch.zeros(capacity, ssjr.NUM_DOF, device=device)
     ep_len = torch.zeros(n, device=device)
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
     collected = 0  # rollouts in the data set since this process started (a resumed run refills it)

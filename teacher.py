@@ -198,7 +198,7 @@ class TokenPolicy(nn.Module):
                                      mlp([layout["terrain"][0], args.terrain_dim, args.terrain_dim], nn.ReLU, True),
                                      nn.Linear(args.terrain_dim, d))
         hist_dim = layout["history"][-1]
-        self.hcdr = HCDR(hist_dim - 29, 29, layout["history"][0], args.hcdr_queries, args.hcdr_dim,
+        self.hcdr = HCDR(hist_dim - ssjr.NUM_DOF, ssjr.NUM_DOF, layout["history"][0], args.hcdr_queries, args.hcdr_dim,
                          args.hcdr_layers, max(1, args.hcdr_dim // 32), out_dim=d) if hcdr else None
         self.history_norm = RunningNorm(hist_dim)
         self.history_frozen = False  # a student's shared, frozen HCDR keeps the teacher's history statistics
@@ -207,7 +207,7 @@ class TokenPolicy(nn.Module):
         layer = nn.TransformerEncoderLayer(d, args.num_heads, args.ff_dim, dropout=0.0, activation="relu",
                                            batch_first=True, norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, args.num_layers, enable_nested_tensor=False)
-        self.head = mlp([d, args.head_dim, args.head_dim, args.head_dim, 29], nn.ReLU)
+        self.head = mlp([d, args.head_dim, args.head_dim, args.head_dim, ssjr.NUM_DOF], nn.ReLU)
         nn.init.zeros_(self.head[-1].weight)  # start at a = 0: alpha = the reference (teacher) / bias (student)
         nn.init.zeros_(self.head[-1].bias)
 
@@ -579,7 +579,7 @@ def main(args: Args) -> pathlib.Path:
     # ALGO LOGIC: storage (preallocated rollout buffers)
     n, T = args.num_envs, args.num_steps
     buf_obs = {k: torch.zeros((T, n, *layout[k]), dtype=obs[k].dtype, device=device) for k in TEACHER_OBS}
-    actions = torch.zeros(T, n, 29, device=device)
+    actions = torch.zeros(T, n, ssjr.NUM_DOF, device=device)
     logprobs, rewards, dones, time_outs, values = (torch.zeros(T, n, device=device) for _ in range(5))
     ep_return, ep_len = torch.zeros(n, device=device), torch.zeros(n, device=device)
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
