@@ -83,6 +83,9 @@ class Args(teacher.RunArgs):
     """beta_0: probability that the executed action is the teacher's (0: the student drives from the start)"""
     beta_decay: float = 1.0
     """beta of iteration i = beta_0 * beta_decay^(i-1)"""
+    action_std: float = 0.0
+    """std (rad) of Gaussian noise on the student's executed PD targets in the rollouts (rsl_rl samples its student
+    with std 0.1): the student visits states off its own path, and the teacher labels them (labels stay noise-free)"""
     d_model: int | None = None
     """transformer width (None: the teacher's, as all sizes below: the paper's student has the teacher's backbone)"""
     num_layers: int | None = None
@@ -282,7 +285,8 @@ def train(args: Args, env=None) -> pathlib.Path:
                     data_obs[k][rows] = obs[k]
                 data_labels[rows] = alpha_1
                 use_teacher = torch.rand(n, device=device) < beta
-                obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, alpha_2))
+                explored = alpha_2 + args.action_std * torch.randn_like(alpha_2) if args.action_std else alpha_2
+                obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, explored))
                 ep_len += 1
                 ended = done.float()
                 step_sums += torch.stack([(alpha_2 - alpha_1).pow(2).mean(), info["metrics"]["gt_err_m"].nanmean(),

@@ -315,3 +315,23 @@ def test_a_crash_keeps_the_last_finished_iteration(tmp_path):
         student.train(args, env=FakeEnv(LAYOUT, 8, crash_at=2 * 4 + 3))
     ckpt = torch.load(tmp_path / "run" / "student.pt", weights_only=False)
     assert ckpt["kind"] == "student" and ckpt["iteration"] == 2 and ckpt["global_step"] == 2 * 32
+
+
+def test_action_noise_moves_the_executed_targets_not_the_labels(tmp_path):
+    """--action-std: the env receives the student's targets plus N(0, std^2) noise on every joint."""
+    from conftest import FakeEnv
+
+    class Recording(FakeEnv):
+        def step(self, alpha):
+            self.sent.append(alpha.clone())
+            return super().step(alpha)
+    t_path = make_teacher_ckpt(tmp_path / "teacher.pt")
+    sent = {}
+    for std in (0.0, 0.1):
+        env = Recording(LAYOUT, 8)
+        env.sent = sent[std] = []
+        args = dataclasses.replace(CPU, teacher_ckpt=str(t_path), num_envs=8, num_steps=4, minibatch_size=16,
+                                   total_env_steps=32, torch_threads=1, action_std=std, run_dir=str(tmp_path / f"{std}"))
+        student.train(args, env=env)
+    noise = sent[0.1][0] - sent[0.0][0]  # same seed: the same first observation and student, the same clean targets
+    assert 0.07 < noise.std() < 0.13 and abs(noise.mean()) < 0.03
