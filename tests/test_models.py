@@ -22,3 +22,5 @@ def test_the_shipped_models_export_match_their_contract_and_track_their_clip(tra
     clip_steps = 326  # M_ShortMove14 at 50 Hz: the teacher plays it to the end
     assert nominal["teacher"]["steps"]["mean"] == clip_steps and nominal["teacher"]["success"]["mean"] == 100.0
     assert nominal["teacher"]["g_mpjpe_mm"]["mean"] < 100
+    # the student reaches the end on the machine that trained it; a float difference elsewhere may tip it late
+    assert nominal["student"]["steps"]["mean"] >= 250 and nominal["student"]["g_mpjpe_mm"]["mean"] < 120
