@@ -13,13 +13,14 @@ future steps; ssjr.keypoint_command) and m_t, the HCDR token over the (s, alpha)
 teacher's (teacher.TokenPolicy, the teacher's sizes unless overridden). The student cannot see the reference joint
 positions the teacher's residual action is centred on, so it outputs the absolute PD target alpha.
 
-Online DAgger. Each iteration the student drives `num_envs` x `num_steps` control steps (with probability beta per env
-and step the executed action is the teacher's instead; beta = beta_0 * beta_decay^(iteration-1), default 0 as in the
-authors' earlier code), the frozen teacher labels every visited state with alpha_1 = teacher.act(obs) from the
-privileged observations the env returns alongside, and the student regresses onto the labels: loss = MSE(alpha_2,
-alpha_1). DAgger aggregates its data set: the regression draws its minibatches from the samples of the last
-`buffer_iterations` rollouts (1: the newest only), `update_epochs` x one rollout's worth of samples per iteration, with
-the learning rate decayed linearly to 0 over the budget (the last weights average many small steps).
+Online DAgger. Each iteration the student drives `num_envs` x `num_steps` control steps, its PD targets perturbed by
+Gaussian noise (`action_std`, as rsl_rl samples its student; with probability beta per env and step the executed action
+is the teacher's instead; beta = beta_0 * beta_decay^(iteration-1), default 0 as in the authors' earlier code), the
+frozen teacher labels every visited state with alpha_1 = teacher.act(obs) from the privileged observations the env
+returns alongside, and the student regresses onto the labels: loss = MSE(alpha_2, alpha_1). DAgger aggregates its data
+set: the regression draws its minibatches from the samples of the last `buffer_iterations` rollouts (1: the newest
+only), `update_epochs` x one rollout's worth of samples per iteration, with the learning rate decayed linearly to 0 over
+the budget (the last weights average many small steps).
 
 Choices where the paper is silent:
 - Nominal pose: TokenPolicy zero-initializes its head, so the student adds a fixed bias alpha_0 = the mean reference
@@ -83,9 +84,9 @@ class Args(teacher.RunArgs):
     """beta_0: probability that the executed action is the teacher's (0: the student drives from the start)"""
     beta_decay: float = 1.0
     """beta of iteration i = beta_0 * beta_decay^(i-1)"""
-    action_std: float = 0.0
+    action_std: float = 0.1
     """std (rad) of Gaussian noise on the student's executed PD targets in the rollouts (rsl_rl samples its student
-    with std 0.1): the student visits states off its own path, and the teacher labels them (labels stay noise-free)"""
+    with std 0.1): the student visits states off its own path and the teacher labels them (0: deterministic)"""
     d_model: int | None = None
     """transformer width (None: the teacher's, as all sizes below: the paper's student has the teacher's backbone)"""
     num_layers: int | None = None
@@ -109,7 +110,7 @@ class Args(teacher.RunArgs):
 PRESETS = {
     "paper": Args(),
     # the teacher preset's envs and performance mode (about its env-steps/s); 8 rollouts of samples to regress on
-    "cpu": Args(preset="cpu", device="cpu", num_envs=64, performance_mode=True, total_env_steps=300_000, num_steps=24,
+    "cpu": Args(preset="cpu", device="cpu", num_envs=64, performance_mode=True, total_env_steps=900_000, num_steps=24,
                 buffer_iterations=8, update_epochs=2, minibatch_size=512, lr=1e-3, checkpoint_every=20,
                 torch_threads=1),
 }
