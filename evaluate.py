@@ -589,8 +589,10 @@ def resolve_motions(motions: str, packet_dir: str) -> list[pathlib.Path]:
 
 
 def load_policy(path, device: str):
-    """(policy, checkpoint) from teacher.load_policy or student.load_policy, by the checkpoint's kind."""
-    return {"teacher": teacher, "student": student}[teacher.load_checkpoint(path)["kind"]].load_policy(path, device)
+    """(policy, checkpoint): teacher.load_policy or student.load_policy, by the checkpoint's kind."""
+    if teacher.load_checkpoint(path)["kind"] == "teacher":
+        return teacher.load_policy(path, device)
+    return student.load_policy(path, device)
 
 
 def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
