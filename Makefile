@@ -3,7 +3,7 @@
 # make test: install and run the test suite (what CI runs).
 PYTHON ?= python3.11
 PY := .venv/bin/python
-TORCHRUN := .venv/bin/torchrun --standalone --nproc_per_node 2
+TORCHRUN := OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2
 CLIP := data/packets/g1_moves/M_ShortMove14_seg00.npz
 
 .PHONY: demo test
