@@ -317,7 +317,7 @@ def test_a_crash_keeps_the_last_finished_iteration(tmp_path):
     assert ckpt["kind"] == "student" and ckpt["iteration"] == 2 and ckpt["global_step"] == 2 * 32
 
 
-def test_action_noise_moves_the_executed_targets_not_the_labels(tmp_path):
+def test_action_noise_moves_the_executed_targets(tmp_path):
     """--action-std: the env receives the student's targets plus N(0, std^2) noise on every joint."""
     from conftest import FakeEnv
 
