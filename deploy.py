@@ -1,13 +1,13 @@
 """The robot side of the student's deployment contract: the exported ONNX student run in MuJoCo from its metadata alone.
 
-    python student.py export --ckpt runs/<run>/student.pt --onnx student.onnx
+    python export.py --ckpt runs/<run>/student.pt --onnx student.onnx
     python deploy.py --onnx student.onnx --motion data/packets/g1_moves/M_ShortMove14_seg00.npz
     python evaluate.py --onnx student.onnx --motions <packets>                # scored like any other setting
     python evaluate.py --onnx student.onnx --motions <packet> --parity       # inputs vs the training env's
 
 It imports numpy, mujoco and onnxruntime only (no torch, nothing of this project): copy it into robot code and replace
 `Robot` (MuJoCo here) with the SDK's readings and motor commands. Every number and choice it uses comes from the ONNX
-metadata (`contract`, written by student.py export): joint order by name, the 50 Hz control step and the 200 Hz PD law,
+metadata (`contract`, written by export.py): joint order by name, the 50 Hz control step and the 200 Hz PD law,
 the windows and what fills them before the first step, the frames and signs of the IMU readings, the command's
 resampling. The scene is g1_scene.xml, the file the MuJoCo training env loads (same armature, friction, floor).
 """
@@ -36,7 +36,7 @@ class Policy:
         meta = {k: json.loads(v) for k, v in self.session.get_modelmeta().custom_metadata_map.items()}
         if meta.get("kind") != "hord_student" or "contract" not in meta:
             raise SystemExit(f"error: {path}: not a HoRD student export with a deployment contract "
-                             "(re-export it with `python student.py export`)")
+                             "(re-export it with `python export.py`)")
         self.meta, self.contract = meta, meta["contract"]
         self.input_names = [i.name for i in self.session.get_inputs()]
         c = self.contract
@@ -193,7 +193,7 @@ def run_episode(policy: Policy, command: Command, robot: Robot, root_drift_mps: 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--onnx", required=True, help="the exported student (python student.py export)")
+    parser.add_argument("--onnx", required=True, help="the exported student (python export.py)")
     parser.add_argument("--motion", required=True, help="an SSJR robot-motion packet (.npz) to track")
     parser.add_argument("--scene", default=str(SCENE_XML), help="MuJoCo scene with the G1 on a flat floor at z = 0")
     parser.add_argument("--root-drift-mps", type=float, default=0.0, help="drift of the root position estimate")

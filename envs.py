@@ -58,7 +58,9 @@ import ssjr
 from ssjr import InputError, quat_apply, quat_conj, quat_mul, rot6d, rotate_z, yaw_rad, z_quat
 
 PHYSICS_DT_S = 0.005  # 200 Hz physics
-SPARSE_STATE_DIM = 64  # s in each (s, alpha) pair of H_t and in the student's proprio (see the table above)
+NUM_DOF, NUM_BODIES = ssjr.NUM_DOF, len(ssjr.BODY_NAMES)
+SPARSE_STATE_DIM = 2 * NUM_DOF + 3 + 3  # s: dof pos, dof vel, gyro, gravity direction (the table above)
+PROPRIO_DIM = 1 + (NUM_BODIES - 1) * 3 + NUM_BODIES * (6 + 3 + 3) + 2 * NUM_DOF + NUM_DOF  # P in the table above
 DECIMATION = 4  # 50 Hz policy
 CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
 # episode starts: uniform (training) | frame 0 (evaluation): env i plays clips i, i+N, ..., and every episode draws its
@@ -239,7 +241,7 @@ class MotionLib:
     a control tick, so the env reads the reference by indexing (`at_tick`) instead of interpolating every step."""
 
     def __init__(self, packet_paths: list[pathlib.Path], device, dt_s: float = CONTROL_DT_S):
-        packets = [p if p["kind"] == "robot" else keypoints_to_packet(p) for p in map(ssjr.load_packet, packet_paths)]
+        packets = [ssjr.load_packet(p) for p in packet_paths]  # a keypoint command carries a stance reference too
         self.keypoints_only = torch.tensor([p["kind"] == "human_keypoints" for p in packets], device=device)
         self.length_s = torch.tensor([(len(p["dof_pos"]) - 1) / float(p["fps"]) for p in packets], device=device)
         # the start ticks of each clip: 0 .. last_start_tick
@@ -259,27 +261,6 @@ class MotionLib:
         """Reference state of `clip` [M] at control tick `tick` [M] (clamped to the clip): a gather, no arithmetic."""
         i = torch.minimum(tick.clamp(min=0), self.num_ticks[clip] - 1) + self.tick_start[clip]
         return {k: v[i] for k, v in self.ticks.items()}
-
-
-# A neutral standing pose (rad), used where a motion gives no joint angles (human keypoint commands).
-DEFAULT_STANCE_RAD = {"hip_pitch": -0.31, "knee": 0.67, "ankle_pitch": -0.36, "shoulder_pitch": 0.2, "elbow": 0.6,
-                      "left_shoulder_roll": 0.2, "right_shoulder_roll": -0.2}
-
-
-def keypoints_to_packet(cmd: dict) -> dict:
-    """A human keypoint command (ssjr.py, from BVH/AMASS) as a reference the env can run: the robot's bodies are the
-    default stance placed at the command's root pose, with the SSJR keypoint bodies replaced by the command's points.
-    Only the keypoints are meaningful: use info['metrics']['keypoint_err_m'] to score such motions."""
-    stance = [next((v for k, v in DEFAULT_STANCE_RAD.items() if name.endswith(k + "_joint")), 0.0)
-              for name in ssjr.DOF_NAMES]
-    dof = np.broadcast_to(np.array(stance, np.float32), (len(cmd["keypoints_w"]), ssjr.NUM_DOF)).copy()
-    root_pos = torch.as_tensor(cmd["keypoints_w"][:, ssjr.KEYPOINT_NAMES.index("pelvis")])
-    pos, quat = ssjr.G1Kinematics().forward(root_pos, torch.as_tensor(cmd["root_quat_w"]), torch.as_tensor(dof))
-    pos = pos.numpy().copy()
-    pos[:, list(ssjr.KEYPOINT_BODY_IDS)] = cmd["keypoints_w"]
-    return {"kind": "human_keypoints", "fps": cmd["fps"], "body_pos_w": pos, "body_quat_w": quat.numpy(),
-            "body_lin_vel_w": np.gradient(pos, 1.0 / float(cmd["fps"]), axis=0).astype(np.float32),
-            "body_ang_vel_w": np.zeros_like(pos), "dof_pos": dof, "dof_vel": np.zeros_like(dof)}
 
 
 def resolve_motions(motions) -> list[pathlib.Path]:
@@ -839,15 +820,16 @@ class TrackingEnv:
         self.clip, self.tick0, self.step_count = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))
         self.ref_offset = torch.zeros(n, 3, device=dev)  # world offset of the reference (tile spawn point)
         self.next_push_s = torch.full((n,), float("inf"), device=dev)
-        self.last_alpha = torch.zeros(n, 29, device=dev)  # the PD target of the previous control step
-        self.proprio_buf = torch.zeros(n, self.PROPRIO_STEPS, 535, device=dev)
-        self.sparse_buf = torch.zeros(n, self.STUDENT_PAST, 93, device=dev)
-        self.history = torch.zeros(n, self.HISTORY_LEN, 93, device=dev)
+        self.last_alpha = torch.zeros(n, NUM_DOF, device=dev)  # the PD target of the previous control step
+        self.proprio_buf = torch.zeros(n, self.PROPRIO_STEPS, PROPRIO_DIM, device=dev)
+        self.sparse_buf = torch.zeros(n, self.STUDENT_PAST, SPARSE_STATE_DIM + NUM_DOF, device=dev)
+        self.history = torch.zeros(n, self.HISTORY_LEN, SPARSE_STATE_DIM + NUM_DOF, device=dev)
         self.history_mask = torch.zeros(n, self.HISTORY_LEN, dtype=torch.bool, device=dev)
         window = self.STUDENT_PAST + self.STUDENT_FUTURE
         self.keypoint_noise = torch.zeros(n, window, len(ssjr.KEYPOINT_BODY_IDS), 3, device=dev)  # command frames
-        self.substep_tau = torch.zeros(DECIMATION, n, 29, device=dev)  # torques of the last control step
+        self.substep_tau = torch.zeros(DECIMATION, n, NUM_DOF, device=dev)  # torques of the last control step
         self.nan_resets = torch.zeros((), dtype=torch.long, device=dev)  # blown-up envs reset so far
+        self.physics_s = self.dr_write_s = 0.0  # host seconds in the engine's physics steps and in DR writes so far
         self._fresh = torch.ones(n, dtype=torch.bool, device=dev)  # envs whose observation stacks restart
         self.obs_layout: dict[str, list[int]] = {}
         # one reference window per step: t-7..t (student past), t+1..t+4 (student future) / t+1..t+8 (teacher)
@@ -955,7 +937,7 @@ class TrackingEnv:
     def _write_psi(self, ids: torch.Tensor, body: bool):
         """psi of envs `ids` into the engine: friction and gravity, and with body=True the body masses, torso CoM and
         joint parameters (see DR.body_psi_per_episode). The PD gain scales and the delay act in step()."""
-        psi = {k: v[ids] for k, v in self.psi.items()}
+        psi, start = {k: v[ids] for k, v in self.psi.items()}, time.perf_counter()
         if body:
             self.sim.set_body_mass(ids, self.default_mass[ids] * psi["mass_scale"][:, None])
             self.sim.set_com_offset(ids, torch.stack([psi[f"com_offset_{a}_m"] for a in "xyz"], -1))
@@ -963,6 +945,7 @@ class TrackingEnv:
             self.sim.set_joint_params(ids, ARMATURE * js, JOINT_DAMPING * js, JOINT_FRICTION * js)
         self.sim.set_friction(ids, psi["friction"])
         self.sim.set_gravity(ids, torch.nn.functional.pad(-psi["gravity_mps2"][:, None], (2, 0)))
+        self.dr_write_s += time.perf_counter() - start
 
     # --- step -----------------------------------------------------------------------------------------------------
     def step(self, alpha: torch.Tensor):
@@ -986,7 +969,9 @@ class TrackingEnv:
             target = torch.where(k >= psi["delay_steps"][:, None], alpha, self.last_alpha)
             q, qd = self.sim.dof_state()
             tau = (kp * (target - q) - kd * qd).clamp(-self.effort_limit_nm, self.effort_limit_nm)
+            start = time.perf_counter()
             self.sim.step(tau)
+            self.physics_s += time.perf_counter() - start
             self.substep_tau[k] = tau
             power += (tau * qd).abs().sum(-1)
         self.last_alpha = alpha.clone()  # the caller keeps its tensor (resets write the reference pose here)
@@ -1051,7 +1036,7 @@ class TrackingEnv:
             s = s + self.sensor_std * self._randn(s.shape[-1])
         proprio = torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
                              heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat), heading(lin), heading(ang),
-                             s[:, :58], self.last_alpha], -1)
+                             s[:, :2 * NUM_DOF], self.last_alpha], -1)
         for name, new in (("proprio_buf", proprio), ("sparse_buf", torch.cat([s, self.last_alpha], -1))):
             stack = shift_in(getattr(self, name), new) if advance else getattr(self, name)
             setattr(self, name, torch.where(self._fresh[:, None, None], new[:, None], stack))
@@ -1116,13 +1101,15 @@ def tile_weights(tile_types, mix: dict[str, float]) -> torch.Tensor:
 
 
 def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
-             dr: DR | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
+             dr: DR | str | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
              exclude_test: bool = True, performance_mode: bool = False,
              terrain_seed: int | None = None, termination: str = "max") -> TrackingEnv:
     """Build the tracking env on `sim` (SIMS). `motions`: packet folder/file/list; the held-out
     test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation).
     performance_mode (Genesis): kernels compiled for this exact num_envs (faster CPU physics, a longer compile at every
-    start; one mode per process). terrain_seed: the heightfield's seed (default: seed). termination: TERMINATIONS."""
+    start; one mode per process). terrain_seed: the heightfield's seed (default: seed). termination: TERMINATIONS.
+    dr: a DR, "default" (DR(): what a checkpoint's env_cfg records) or None (nominal dynamics)."""
+    dr = DR() if dr == "default" else dr
     if num_envs < 1:
         raise InputError("--num-envs", f"must be at least 1, got {num_envs}")
     if sim not in SIMS:
@@ -1166,50 +1153,35 @@ class Bench:
 
 
 def bench_sim(args: Bench, sim: str) -> float:
-    """Print and return env-steps/s of our env on `sim`, beside the raw engine on the same scene (the time spent in
-    the engine's physics step during our env's steps: ours/raw = the share of wall time that is physics). With DR,
-    also the share of step time the DR writes take when one env resets before every step (as at 4096 envs)."""
+    """Print and return env-steps/s of our env on `sim`, beside the raw engine on the same scene (the env's own count
+    of the time spent in the engine's physics steps: ours/raw = the share of wall time that is physics). With DR, also
+    the share of step time the DR writes take when one env resets before every step (as at 4096 envs)."""
     t0 = time.time()
     env = make_env(sim, args.num_envs, args.device, args.motions, DR() if args.dr else None, args.terrain,
                    performance_mode=args.performance_mode)
-    obs, build_s = [env.reset()], time.time() - t0
-    engine, n, engine_step, physics_s = env.sim, args.num_envs, env.sim.step, [0.0]
+    obs, build_s, n = [env.reset()], time.time() - t0, args.num_envs
 
-    def rate(fn, steps=args.steps):  # env-steps/s of fn, after 10 warm-up calls
-        for _ in range(10):
-            fn()
-        physics_s[0], start = 0.0, time.perf_counter()
-        for _ in range(steps):
-            fn()
-        return n * steps / (time.perf_counter() - start)
+    def rate(reset_one: bool, steps: int) -> tuple[float, float, float]:
+        """(env-steps/s, physics share, DR-write share) of `steps` env steps, after 10 warm-up steps."""
+        for i in range(10 + steps):
+            if i == 10:
+                start, physics_s, dr_write_s = time.perf_counter(), env.physics_s, env.dr_write_s
+            if reset_one:
+                env.reset(torch.randint(n, (1,), device=env.device))
+            obs[0] = env.step(obs[0]["ref_dof_pos"])[0]
+        wall_s = time.perf_counter() - start
+        return n * steps / wall_s, (env.physics_s - physics_s) / wall_s, (env.dr_write_s - dr_write_s) / wall_s
 
-    def timed_engine_step(tau):
-        start = time.perf_counter()
-        engine_step(tau)
-        physics_s[0] += time.perf_counter() - start
-
-    def env_step(reset_one=False):
-        if reset_one:
-            env.reset(torch.randint(n, (1,), device=env.device))
-        obs[0] = env.step(obs[0]["ref_dof_pos"])[0]
-
-    def dr_reset_pct(body_per_episode: bool) -> float:  # the same loop with and without the resets' DR writes
-        env.dr.body_psi_per_episode = body_per_episode
-        with_writes = rate(lambda: env_step(True), max(1, args.steps // 2))
-        env._write_psi = lambda ids, body: None
-        without = rate(lambda: env_step(True), max(1, args.steps // 2))
-        del env._write_psi
-        return 100 * (1 - with_writes / without)
-
-    engine.step = timed_engine_step
-    ours = rate(env_step)
-    raw_same = n * args.steps / physics_s[0]
-    engine.step = engine_step
-    dr_pct = (dr_reset_pct(False), dr_reset_pct(True)) if args.dr else None
+    ours, physics_share, _ = rate(False, args.steps)
+    dr_pct = []
+    if args.dr:
+        for body_per_episode in (False, True):  # one env reset per step, its DR writes with and without the body terms
+            env.dr.body_psi_per_episode = body_per_episode
+            dr_pct.append(100 * rate(True, max(1, args.steps // 2))[2])
     env.close()
     print(f"{sim} ({args.device}), {n} envs, terrain {args.terrain}, DR {'on' if args.dr else 'off'}: "
-          f"HoRD env {ours:,.0f} env-steps/s | raw engine, same scene {raw_same:,.0f} | ratio {ours / raw_same:.2f} "
-          f"(build {build_s:.0f} s)")
+          f"HoRD env {ours:,.0f} env-steps/s | raw engine, same scene {ours / physics_share:,.0f} | ratio "
+          f"{physics_share:.2f} (build {build_s:.0f} s)")
     if dr_pct:
         print(f"DR resets: {dr_pct[0]:.0f} % of step time (one env reset per step; with DR.body_psi_per_episode: "
               f"{dr_pct[1]:.0f} %)")

@@ -133,7 +133,7 @@ class Args:
     alpha: float = 0.01
     """significance level of the paired tests"""
     onnx: tuple[str, ...] = ()
-    """exported students (student.py export), played by deploy.py in MuJoCo from their contract alone: setting
+    """exported students (export.py), played by deploy.py in MuJoCo from their contract alone: setting
     'deploy' (and 'deploy+drift<v>' for each non-zero --root-drift-mps)"""
     onnx_labels: tuple[str, ...] = ()
     """row names of the ONNX files (default: file stems); a checkpoint's label puts the export beside it"""
@@ -597,12 +597,13 @@ def load_policy(path, device: str):
 
 def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
                seed: int) -> contextlib.closing:
-    """The checkpoint's env (teacher.build_env) with the setting's engine, DR and terrain, the evaluated motions,
-    frame-0 starts (independent, paired episodes) and the paper's failure test (the bodies' mean error); closed on exit,
-    also on an error (Isaac Lab allows one live env per process)."""
-    return contextlib.closing(teacher.build_env(
-        env_cfg, num_envs, device, seed, sim=setting.sim, dr="default" if setting.dr else None, terrain=setting.terrain,
-        motions=[str(p) for p in motion_paths], start="frame0", exclude_test=False, termination="mean"))
+    """The checkpoint's env with the setting's engine, DR and terrain, the evaluated motions, frame-0 starts
+    (independent, paired episodes) and the paper's failure test (the bodies' mean error); closed on exit, also on an
+    error (Isaac Lab allows one live env per process)."""
+    return contextlib.closing(envs.make_env(**{
+        **env_cfg, "sim": setting.sim, "dr": "default" if setting.dr else None, "terrain": setting.terrain,
+        "motions": [str(p) for p in motion_paths], "num_envs": num_envs, "device": device, "seed": seed,
+        "start": "frame0", "exclude_test": False, "termination": "mean"}))
 
 
 # --- 5. Rollouts. ---

@@ -690,7 +690,8 @@ FPS = 30.0
 PACKET_KEYS = ("fps", "body_names", "dof_names", "body_pos_w", "body_rotmat_w", "body_quat_w", "body_lin_vel_w",
                "body_ang_vel_w", "local_rot", "root_lin_vel_w", "root_ang_vel_w", "dof_pos", "dof_vel",
                "keypoint_names", "text", "source", "license")
-HUMAN_KEYS = ("fps", "kind", "keypoint_names", "keypoints_w", "root_pos_w", "root_quat_w", "text", "source", "license")
+HUMAN_KEYS = ("fps", "kind", "keypoint_names", "keypoints_w", "root_pos_w", "root_quat_w", "body_pos_w", "body_quat_w",
+              "body_lin_vel_w", "body_ang_vel_w", "dof_pos", "dof_vel", "text", "source", "license")
 
 
 def robot_packet(kin: G1Kinematics, root_pos: np.ndarray, root_quat: np.ndarray, dof_pos: np.ndarray,
@@ -757,6 +758,26 @@ def human_to_g1_keypoints(kin: G1Kinematics, joints: np.ndarray) -> tuple[np.nda
     yaw = torch.atan2(pelvis_rot[:, 1, 0], pelvis_rot[:, 0, 0])
     heading = quat_from_axis_angle(torch.tensor([0.0, 0.0, 1.0]), yaw)
     return keypoints.numpy(), keypoints[:, 0].numpy(), heading.numpy()
+
+
+# A neutral standing pose (rad): the joint angles of a keypoint command's reference (a human motion gives none).
+STANCE_RAD = {"hip_pitch": -0.31, "knee": 0.67, "ankle_pitch": -0.36, "shoulder_pitch": 0.2, "elbow": 0.6,
+              "left_shoulder_roll": 0.2, "right_shoulder_roll": -0.2}
+
+
+def stance_reference(kin: G1Kinematics, keypoints_w: np.ndarray, root_quat_w: np.ndarray, fps: float = FPS) -> dict:
+    """A keypoint command as a reference the env can start from and run: the stance at the command's root pose, its
+    SSJR keypoint bodies moved to the command's points. Only the keypoints are meaningful (the env scores and ends
+    such episodes by the keypoint error)."""
+    stance = [next((v for k, v in STANCE_RAD.items() if name.endswith(k + "_joint")), 0.0) for name in DOF_NAMES]
+    dof = np.broadcast_to(np.array(stance, np.float32), (len(keypoints_w), NUM_DOF)).copy()
+    with torch.no_grad():
+        pos, quat = kin.forward(torch.as_tensor(keypoints_w[:, KEYPOINT_NAMES.index("pelvis")]),
+                                torch.as_tensor(root_quat_w), torch.as_tensor(dof))
+    pos = pos.numpy().copy()
+    pos[:, list(KEYPOINT_BODY_IDS)] = keypoints_w
+    return {"body_pos_w": pos, "body_quat_w": quat.numpy(), "body_lin_vel_w": np.gradient(pos, 1.0 / fps, axis=0),
+            "body_ang_vel_w": np.zeros_like(pos), "dof_pos": dof, "dof_vel": np.zeros_like(dof)}
 
 
 def write_atomic(path: str | os.PathLike, writer) -> pathlib.Path:
@@ -940,7 +961,8 @@ def convert_human(m: HumanMotion, kin: G1Kinematics, args: Convert, report: Clip
     bounds = segment_bounds(len(joints), FPS, args.min_s, args.max_s, _where(m))
     keypoints, root_pos, root_quat = human_to_g1_keypoints(kin, joints)
     write_segments(m, args, report, dict(kind="human_keypoints", keypoint_names=KEYPOINT_NAMES),
-                   dict(keypoints_w=keypoints, root_pos_w=root_pos, root_quat_w=root_quat), bounds)
+                   dict(keypoints_w=keypoints, root_pos_w=root_pos, root_quat_w=root_quat,
+                        **stance_reference(kin, keypoints, root_quat)), bounds)
 
 
 def convert(args: Convert) -> list[ClipReport]:

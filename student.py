@@ -3,7 +3,7 @@
     python student.py --teacher-ckpt runs/<teacher>/teacher.pt          # the paper's configuration (GPU)
     torchrun --standalone --nproc_per_node 2 student.py --preset cpu --teacher-ckpt t.pt   # 2 CPU cores: 2 ranks
     python student.py --preset cpu --resume runs/<run>/student.pt      # continue (only --total-env-steps may change)
-    python student.py export --ckpt runs/<run>/student.pt --onnx student.onnx
+    python export.py --ckpt runs/<run>/student.pt --onnx student.onnx   # the deployable ONNX (export.py)
     python evaluate.py --ckpt runs/<run>/student.pt --motions data/keypoints/cmu_bvh --settings genesis   # play
 
 Student. alpha_2 = f2(m_t, s_sparse, g_t, Y_sparse) sees only what the robot has: s_sparse = `student_proprio` (joint
@@ -38,39 +38,67 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import os
 import pathlib
+import random
+import signal
 import sys
-import warnings
+import time
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import tyro
 
 import envs
 import ssjr
-import teacher
+import teacher  # the backbone both stages share (TokenPolicy) and the checkpoint readers
 from ssjr import InputError
-from teacher import (all_reduce_grads, broadcast_from_rank0, build_env, check_layout, dist, load_checkpoint, restore,
-                     run_session, start_run)
 
 
 @dataclass
-class Args(teacher.RunArgs):
+class Args:
     """Online DAgger distillation of a teacher.py checkpoint into the deployable student."""
+    preset: str = "paper"
+    """'paper' (the defaults below, GPU) or 'cpu' (a 2-core CPU)"""
+    teacher_ckpt: str = ""
+    """the frozen teacher (teacher.py checkpoint); it also fixes the env configuration"""
     exp_name: str = "student"
+    """name of this experiment (run folder prefix)"""
+    seed: int = 0
+    """seed of torch, numpy, random and the env (rank r of a torchrun job uses seed + r)"""
+    device: str = ""
+    """torch / simulation device ('': cuda, or a resumed run's own; cuda without a GPU is an error)"""
+    amp: bool = False
+    """bf16 autocast of the forward passes (CUDA)"""
+    torch_threads: int = 0
+    """intra-op CPU threads of torch (0: torch's default)"""
     num_envs: int = 256
+    """parallel environments per rank"""
+    performance_mode: bool = False
+    """Genesis: kernels compiled for this num_envs (2x faster CPU physics; ~70 s compile at every start)"""
     total_env_steps: int = 100_000_000
+    """control steps to distil for (all envs together)"""
+    num_steps: int = 32
+    """rollout length per env per iteration"""
     minibatch_size: int = 2048
+    """samples per gradient step and rank (gradients averaged over ranks)"""
     update_epochs: int = 6
+    """passes per iteration, each over one rollout's worth of samples drawn from the data set"""
     max_grad_norm: float = 1.0
+    """gradient clipping"""
+    checkpoint_every: int = 50
+    """iterations between checkpoints"""
+    resume: str = ""
+    """checkpoint of this script to continue from (only --total-env-steps and the device may change)"""
+    run_dir: str = ""
+    """where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})"""
     buffer_iterations: int = 1
     """DAgger's data set: the (student inputs, teacher label) samples of the last this many rollouts (not checkpointed:
     a resumed run refills it)"""
-    teacher_ckpt: str = ""
-    """the frozen teacher (teacher.py checkpoint); it also fixes the env configuration"""
     sim: str = ""
     """engine to distil on: isaaclab | genesis | mujoco ('' = the teacher's)"""
     motions: str = ""
@@ -114,6 +142,14 @@ PRESETS = {
                 buffer_iterations=8, update_epochs=2, minibatch_size=512, lr=1e-3, checkpoint_every=20,
                 torch_threads=1),
 }
+
+
+@dataclass
+class Preset:
+    preset: str = "paper"
+    """the defaults: paper (the paper's configuration, GPU) or cpu (a 2-core CPU); flags override"""
+
+
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "ff_dim", "head_dim", "terrain_dim", "hcdr_queries", "hcdr_dim",
                "hcdr_layers")  # None in Args: the teacher checkpoint's value
 # The student's inputs (env observation keys).
@@ -159,10 +195,11 @@ def freeze_hcdr(policy: StudentPolicy):
     policy.actor.history_frozen = True
 
 
-def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch.Tensor, per_epoch: int,
+def dagger_update(policy: nn.Module, optimizer, b_obs: dict, b_labels: torch.Tensor, per_epoch: int,
                   args: Args, amp=contextlib.nullcontext, world: int = 1) -> list[float]:
     """update_epochs passes of minibatch MSE(alpha_2, alpha_1), each over `per_epoch` samples drawn without replacement
-    from the data set (b_obs, b_labels); returns the mean loss of each pass (read from the device once, at the end)."""
+    from the data set (b_obs, b_labels); returns the mean loss of each pass (read from the device once, at the end).
+    `policy`: the StudentPolicy, or under torchrun its DDP wrapper (which averages the gradients over the ranks)."""
     policy.train()
     epoch_losses = []
     for _ in range(args.update_epochs):
@@ -174,7 +211,6 @@ def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch
                 loss = (policy({k: v[mb] for k, v in b_obs.items()}) - b_labels[mb]).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
-            all_reduce_grads(policy.parameters(), world)
             nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             optimizer.step()
             losses.append(loss.detach())
@@ -186,27 +222,14 @@ def dagger_update(policy: StudentPolicy, optimizer, b_obs: dict, b_labels: torch
     return (epoch_losses / world).tolist()
 
 
-# --- checkpoints ----------------------------------------------------------------------------------------------------
-def load_teacher(path, device):
-    """The frozen teacher (teacher.load_policy names a missing file or a non-teacher checkpoint)."""
-    if not path:
-        raise InputError("--teacher-ckpt", "give the teacher to distil: --teacher-ckpt <teacher.pt>")
-    agent, ckpt = teacher.load_policy(path, device)
-    for p in agent.parameters():
-        p.requires_grad_(False)
-    return agent, ckpt
-
-
 def student_env_cfg(args: Args, teacher_ckpt: dict) -> dict:
     """The teacher's make_env settings; only the engine and the motions may differ."""
-    cfg = dict(teacher_ckpt["env_cfg"])
-    cfg.update({k: v for k, v in (("sim", args.sim), ("motions", args.motions)) if v})
-    return cfg
+    return {**teacher_ckpt["env_cfg"], **{k: v for k, v in (("sim", args.sim), ("motions", args.motions)) if v}}
 
 
 def load_policy(path, device="cpu"):
     """(student policy in eval mode with act(obs) -> alpha [N, 29], checkpoint dict) for evaluation and export."""
-    ckpt = load_checkpoint(path, "student")
+    ckpt = teacher.load_checkpoint(path, "student")
     policy = StudentPolicy(ckpt["obs_layout"], teacher.checkpoint_args(path, ckpt, Args)).to(device)
     teacher.load_weights(path, policy, ckpt["model"])
     return policy.eval(), ckpt
@@ -214,10 +237,49 @@ def load_policy(path, device="cpu"):
 
 def train(args: Args, env=None) -> pathlib.Path:
     """Online DAgger. `env`: an env already built from the teacher's env_cfg (tests share one); None builds it."""
-    args, resume, device, rank, world = start_run(args, "student")
+    # --- set-up: a resumed run takes its checkpoint's settings (only the budget and the device may change)
+    resume = teacher.load_checkpoint(args.resume, "student") if args.resume else None
+    if resume is not None:
+        if "rng" not in resume:
+            raise InputError(args.resume, "weights only (a shipped model): it can be evaluated or exported, not "
+                                          "resumed")
+        args = dataclasses.replace(teacher.checkpoint_args(args.resume, resume, Args), resume=args.resume,
+                                   amp=args.amp, run_dir=str(pathlib.Path(args.resume).parent),
+                                   total_env_steps=args.total_env_steps, device=args.device or resume["args"]["device"])
     if args.buffer_iterations < 1:
         raise InputError("--buffer-iterations", f"must be at least 1 (the newest rollout): {args.buffer_iterations}")
-    teacher_agent, tckpt = load_teacher(args.teacher_ckpt, device)
+    # device and ranks (torchrun: one process per GPU or CPU core), checked before any engine starts
+    world, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(args.device or "cuda")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    if device.type != "cuda" and args.amp:
+        raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
+                         f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    print(f"rank {rank} of {world}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
+          f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    rng = None  # a resumed rank goes on with its own random streams if the checkpoint has them (same device type)
+    if resume is not None and torch.device(resume["args"]["device"]).type == device.type and rank < len(resume["rng"]):
+        rng = resume["rng"][rank]
+
+    # --- the frozen teacher fixes the env and, unless set, the student's sizes
+    if not args.teacher_ckpt:
+        raise InputError("--teacher-ckpt", "give the teacher to distil: --teacher-ckpt <teacher.pt>")
+    teacher_agent, tckpt = teacher.load_policy(args.teacher_ckpt, device)
+    teacher_agent.requires_grad_(False)
     args = dataclasses.replace(args, **{k: tckpt["args"][k] for k in MODEL_SIZES if getattr(args, k) is None})
     if resume is not None and resume["teacher"]["global_step"] != tckpt["global_step"]:
         raise InputError(args.resume, f"distilled from {args.teacher_ckpt} at teacher step "
@@ -226,35 +288,73 @@ def train(args: Args, env=None) -> pathlib.Path:
     env_cfg = student_env_cfg(args, tckpt)
     own_env = env is None
     if own_env:
-        env = build_env(env_cfg, args.num_envs, device, args.seed + rank, terrain_seed=args.seed,  # one terrain
-                        performance_mode=args.performance_mode)  # make_env applies it to Genesis only
-    if resume is not None and resume["rng"] is not None:  # this rank's env stream, before the first reset
-        env.gen.set_state(resume["rng"]["env"]["gen"])
+        env = envs.make_env(**env_cfg, num_envs=args.num_envs, device=str(device), seed=args.seed + rank,
+                            terrain_seed=args.seed, performance_mode=args.performance_mode)  # one terrain for all
+    if rng is not None:  # this rank's env stream, before the first reset
+        env.gen.set_state(rng["env"]["gen"])
     obs = env.reset()
     layout = env.obs_layout
-    check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
+    teacher.check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
     policy = StudentPolicy(layout, args).to(device)
     if args.hcdr == "teacher":  # before the optimizer: it gets the trained parameters only
         freeze_hcdr(policy)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=args.lr, eps=1e-5)
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=1e-5)
     global_step, iteration = 0, 0
     if resume is not None:
-        check_layout(args.resume, resume["obs_layout"], layout, STUDENT_OBS)
-        global_step, iteration = restore(resume, args.resume, policy, {"optimizer": optimizer}, device, rank)
+        teacher.check_layout(args.resume, resume["obs_layout"], layout, STUDENT_OBS)
+        for module, key in ((policy, "model"), (optimizer, "optimizer")):
+            teacher.load_weights(args.resume, module, resume[key])
+        global_step, iteration = resume["global_step"], resume["iteration"]
+        print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
     else:
         policy.alpha_0.copy_(env.motions.mean_dof_pos)
         if args.hcdr in ("teacher", "finetune"):
             share_teacher_hcdr(policy, teacher_agent, args.teacher_ckpt)
         policy.actor.update_norms(obs)
-    broadcast_from_rank0(policy, world)
+    if rng is not None:  # this rank's learner streams (minibatch order, exploration noise)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    # under torchrun the update runs through DDP: rank 0's weights to every rank now, averaged gradients in backward
+    learner = nn.parallel.DistributedDataParallel(policy, broadcast_buffers=False) if world > 1 else policy
     policy.eval()
-    state = lambda: {"args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
-                     "model": policy.state_dict(), "optimizer": optimizer.state_dict(),
-                     "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]}}
-    curves = {"charts/action_mse": "action MSE to the teacher (rad^2)", "charts/gt_err_mm": "g-mpjpe (mm)",
-              "charts/success_rate": "success rate (episodes reaching the clip end)"}
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
+
+    # --- the run folder (rank 0 writes it), TensorBoard, checkpoints, Ctrl-C / torchrun's SIGTERM
+    run_dir = [args.run_dir or f"runs/{args.exp_name}_{env_cfg['sim']}_{args.seed}_{int(time.time())}"]
+    if world > 1:
+        dist.broadcast_object_list(run_dir, 0)
+    args.run_dir, run_dir = run_dir[0], pathlib.Path(run_dir[0])
+    writer = None
+    if rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
+        writer = SummaryWriter(run_dir, purge_step=global_step + 1)  # a resumed run hides what came after its step
+
+    def rng_states() -> list[dict]:  # every rank's learner and env streams, in rank order
+        states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                  "env": {"gen": env.gen.get_state()},
+                  **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
+        out = [states] * world
+        if world > 1:
+            dist.all_gather_object(out, states)
+        return out
+
+    def save(finished: dict):  # a plain dict, written atomically by rank 0
+        if rank == 0 and finished["iteration"] > first_iteration:
+            ckpt = {"kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
+                    "model": policy.state_dict(), "optimizer": optimizer.state_dict(), **finished,
+                    "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
+                    "world_size": world}
+            ssjr.write_atomic(run_dir / "student.pt", lambda tmp: torch.save(ckpt, tmp))
+
+    first_iteration, start_step = iteration, global_step
+    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}  # the last whole iteration
+    stop = torch.zeros((), device=device)  # set by a signal on any rank; the ranks agree on it every iteration
+    previous = {sig: signal.signal(sig, lambda *_: stop.fill_(1.0)) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     # ALGO LOGIC: storage (DAgger's data set: student inputs and teacher labels of the last buffer_iterations rollouts)
     n, T = args.num_envs, args.num_steps
@@ -265,10 +365,13 @@ def train(args: Args, env=None) -> pathlib.Path:
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
     collected = 0  # rollouts in the data set since this process started (a resumed run refills it)
 
-    with run_session(args, "student", state, policy, env, device, rank, world, global_step, iteration, curves,
-                     "distillation_curve.png") as (stopping, end_iteration), \
-            contextlib.closing(env) if own_env else contextlib.nullcontext():
-        while global_step + per_iteration <= args.total_env_steps and not stopping():
+    start_time = time.time()
+    try:
+        while global_step + per_iteration <= args.total_env_steps:
+            if world > 1:
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
             iteration += 1
             beta = args.beta * args.beta_decay ** (iteration - 1)
             for group in optimizer.param_groups:
@@ -301,7 +404,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             # ALGO LOGIC: regress alpha_2 onto alpha_1 over the data set (the rollouts collected so far, at most
             # buffer_iterations)
             filled = min(collected, args.buffer_iterations) * T * n
-            epoch_losses = dagger_update(policy, optimizer, {k: v[:filled] for k, v in data_obs.items()},
+            epoch_losses = dagger_update(learner, optimizer, {k: v[:filled] for k, v in data_obs.items()},
                                          data_labels[:filled], T * n, args, amp, world)
             # observation statistics: after the update (it regressed with the rollout's normalization), from every 4th
             # step of the rollout, as the teacher does (under torchrun every update is an all-reduce)
@@ -321,149 +424,41 @@ def train(args: Args, env=None) -> pathlib.Path:
                        "charts/teacher_action_fraction": teacher_fraction, "charts/nan_resets": nan_resets,
                        "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1],
                        "losses/lr": optimizer.param_groups[0]["lr"]}
-            end_iteration(global_step, iteration, scalars,
-                          f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | "
-                          f"success {success:.2f} | g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f}")
-    return pathlib.Path(args.run_dir) / "student.pt"
-
-
-# --- export: the deployable artefact ---------------------------------------------------------------------------------
-@dataclass
-class Export:
-    """python student.py export --ckpt runs/<run>/student.pt --onnx student.onnx"""
-    ckpt: str
-    """student checkpoint"""
-    onnx: str = "student.onnx"
-    """output ONNX file"""
-    opset: int = 17
-    """ONNX opset"""
-
-
-# What a deployment feeds the ONNX graph, per input (also written into its metadata). Joint order: ssjr.DOF_NAMES;
-# keypoint order: ssjr.KEYPOINT_NAMES; stacks oldest first; control at 50 Hz (one row per control step).
-DEPLOY_INPUTS = {
-    "student_proprio": "[N, 8, 93] steps t-7..t: joint pos (29, rad), joint vel (29, rad/s), IMU angular velocity in "
-                       "the pelvis frame (3, rad/s), gravity direction in the pelvis frame (3, unit), the PD target "
-                       "alpha sent in the step before (29, rad)",
-    "keypoints_w": "[N, 12, J, 3] the command's keypoints at t-7..t+4 (m, world frame, z up), 30 fps SSJR packets "
-                   "resampled to 50 Hz",
-    "root_pos_w": "[N, 3] the robot's pelvis position at t (m), estimated in the command's world frame",
-    "root_quat_w": "[N, 4] the robot's pelvis orientation at t (wxyz; only its yaw is used), same frame",
-    "terrain": "[N, 121] pelvis height above the ground on an 11x11 grid, 0.1 m apart, around the pelvis in its "
-               "heading frame (m; flat ground: the pelvis height everywhere)",
-    "history": "[N, 16, 93] H_t: the last 16 (state, PD target) pairs, each the first 64 numbers of a student_proprio "
-               "row and the alpha then chosen",
-    "history_mask": "[N, 16] bool, True where the history entry exists (after the episode start)",
-}
-
-
-# How a deployment builds those inputs and applies alpha: every choice, stated (metadata "contract"; deploy.py is
-# written from it alone). The numbers are the env's own.
-DEPLOY_CONTRACT = {
-    "physics_dt_s": envs.PHYSICS_DT_S, "decimation": envs.DECIMATION,
-    "pd_law": "at every physics step: tau = clip(kp (alpha - q) - kd qdot, -effort_limit_nm, effort_limit_nm) with q, "
-              "qdot read at that step (kp N m/rad, kd N m s/rad); alpha held for the decimation steps of the control "
-              "step; trained with 0-3 physics steps (0-15 ms) of delay before alpha reaches the motors (alpha_(t-1) "
-              "meanwhile), kp and kd +-10 %",
-    "joints": "q, qdot: the hinge angles of g1_scene.xml's joints in dof_names order (its zero pose and axis signs)",
-    "episode_start": "the robot at the motion's frame-0 state, control step t = 0 there; tick k of the command is the "
-                     "motion at time k * control_dt_s; the episode ends after the step that reaches the last tick",
-    "command_frame": "keypoints_w and the root pose share one world frame (z up, floor at z = 0): the training env "
-                     "shifts the clip horizontally so that its frame-0 pelvis is where the robot starts (on uneven "
-                     "ground each tick is raised by the ground height under that tick's reference pelvis)",
-    "keypoints": "keypoint j = the world position of the origin of the MJCF body keypoint_names[j]",
-    "proprio_steps": envs.TrackingEnv.STUDENT_PAST,
-    "proprio_rows": "row t = [s_t, alpha_(t-1)], s = joint pos (29), joint vel (29), gyro (3), gravity direction (3); "
-                    "before step 0 every row is row 0, with alpha_(-1) = the motion's frame-0 joint positions; alpha = "
-                    "the target actually sent (after any safety clipping)",
-    "gravity_direction": "R_pelvis^T (0, 0, -1), unit: (0, 0, -1) when upright (minus the world z axis in the pelvis "
-                         "frame, g1_scene.xml sensor imu_upvector); gyro: sensor imu_ang_vel, pelvis frame",
-    "history_len": envs.TrackingEnv.HISTORY_LEN,
-    "history": "entry K-1 = (s_(t-1), alpha_(t-1)), oldest first: step t is not in it; entries before the start are "
-               "0 with history_mask False (at step t the last min(t, K) entries are True)",
-    "keypoint_steps": list(range(1 - envs.TrackingEnv.STUDENT_PAST, envs.TrackingEnv.STUDENT_FUTURE + 1)),
-    "keypoint_resampling": "n frames at fps -> ticks k = 0 .. floor((n - 1) / (fps control_dt_s) + 1e-4): x = k "
-                           "control_dt_s fps, linear between frames floor(x) and floor(x) + 1; window ticks before 0 "
-                           "read tick 0, past the end the last tick",
-    "terrain_grid": "index 11 i + j: the point (-0.5 + 0.1 i, -0.5 + 0.1 j) m in the pelvis heading frame (x forward, "
-                    "y left); value: pelvis z minus the ground z there",
-    "root_pose": "the origin of the MJCF body pelvis (the floating base, not the IMU site) and its Hamilton wxyz "
-                 "quaternion rotating pelvis-frame vectors into the command frame (MuJoCo qpos[0:7]); on a robot an "
-                 "estimate",
-    "noise": "none added at deployment (training noise models the robot's sensors)",
-    "scene": "g1_scene.xml (MuJoCo: the G1 with the joint armature, damping and friction the training envs use)",
-}
-
-
-class OnnxPolicy(nn.Module):
-    """The student with positional inputs (DEPLOY_INPUTS order); the SSJR command is computed inside the graph by
-    ssjr.keypoint_command, the same function the env trains with. Outputs alpha and the command it read."""
-
-    def __init__(self, policy: StudentPolicy):
-        super().__init__()
-        self.policy = policy
-
-    def forward(self, student_proprio, keypoints_w, root_pos_w, root_quat_w, terrain, history, history_mask):
-        y = ssjr.keypoint_command(keypoints_w, root_pos_w, root_quat_w)
-        return self.policy({"student_proprio": student_proprio, "student_keypoints": y, "terrain": terrain,
-                            "history": history, "history_mask": history_mask}), y
-
-
-def export(args: Export) -> pathlib.Path:
-    """Write the ONNX policy (inputs DEPLOY_INPUTS with a dynamic batch axis; outputs alpha [N, 29] rad and
-    student_keypoints) with the deployment contract, the observation layout and the controller facts in its metadata.
-    Uses the TorchScript exporter (dynamo=False: the dynamo exporter needs onnxscript) with the fused transformer fast
-    path off, which it cannot export."""
-    import onnx
-    policy, ckpt = load_policy(args.ckpt, "cpu")
-    layout = ckpt["obs_layout"]
-    steps, j3 = layout["student_keypoints"]
-    shapes = {"student_proprio": layout["student_proprio"], "keypoints_w": [steps, j3 // 3, 3], "root_pos_w": [3],
-              "root_quat_w": [4], "terrain": layout["terrain"], "history": layout["history"],
-              "history_mask": layout["history_mask"]}
-    inputs = tuple(torch.zeros(2, *v, dtype=torch.bool if k == "history_mask" else torch.float32)
-                   for k, v in shapes.items())
-    kp, kd, limit = envs.joint_table()
-    names = []
-
-    def write(tmp: pathlib.Path):
-        fastpath = torch.backends.mha.get_fastpath_enabled()
-        torch.backends.mha.set_fastpath_enabled(False)
-        try:
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # TracerWarning / constant-folding notes; parity is tested
-                outputs = ["alpha", "student_keypoints"]
-                torch.onnx.export(OnnxPolicy(policy).eval(), inputs, str(tmp), dynamo=False, opset_version=args.opset,
-                                  input_names=list(DEPLOY_INPUTS), output_names=outputs,
-                                  dynamic_axes={k: {0: "batch"} for k in (*DEPLOY_INPUTS, *outputs)})
-        finally:
-            torch.backends.mha.set_fastpath_enabled(fastpath)
-        model = onnx.load(str(tmp))
-        names.extend(i.name for i in model.graph.input)  # the history inputs are pruned from an --hcdr none student
-        meta = {"kind": "hord_student", "inputs": {k: DEPLOY_INPUTS[k] for k in names},
-                "output": "alpha: absolute PD targets [N, 29] rad; tau = kp (alpha - q) - kd qdot at 200 Hz, clamped "
-                          "to effort_limit_nm; student_keypoints: the SSJR command Y_t the policy read",
-                "contract": DEPLOY_CONTRACT, "dof_names": list(ssjr.DOF_NAMES), "body_names": list(ssjr.BODY_NAMES),
-                "keypoint_names": list(ssjr.KEYPOINT_NAMES),
-                "control_dt_s": envs.CONTROL_DT_S, "kp": kp.tolist(), "kd": kd.tolist(),
-                "effort_limit_nm": limit.tolist(), "env_cfg": ckpt["env_cfg"], "global_step": ckpt["global_step"],
-                "source_ckpt": str(args.ckpt)}
-        for k, v in meta.items():
-            model.metadata_props.add(key=k, value=json.dumps(v))
-        onnx.save(model, str(tmp))
-
-    out = ssjr.write_atomic(args.onnx, write)
-    print(f"wrote {out} (inputs {names}, outputs alpha [N, 29], student_keypoints)")
-    return out
+            sps = (global_step - start_step) / (time.time() - start_time)
+            scalars.update({"charts/SPS": sps, "iteration": iteration})
+            finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}
+            if writer is not None:
+                for k, v in scalars.items():
+                    writer.add_scalar(k, v, global_step)
+                print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | "
+                      f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | success "
+                      f"{success:.2f} | g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f} | ETA "
+                      f"{(args.total_env_steps - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
+            if iteration % args.checkpoint_every == 0:
+                save(finished)
+    except BaseException:  # a crash still leaves the last whole iteration on disk (unless the weights went bad)
+        if all(p.isfinite().all() for p in policy.parameters()):
+            save(finished)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if writer is not None:
+            writer.close()
+        if own_env:
+            env.close()
+    save(finished)
+    if rank == 0:
+        print(f"saved student.pt and the TensorBoard log in {run_dir}")
+    return run_dir / "student.pt"
 
 
 if __name__ == "__main__":
     try:
-        if sys.argv[1:2] == ["export"]:
-            sys.argv.pop(1)
-            export(tyro.cli(Export))
-        else:
-            train(teacher.parse_args(PRESETS))
+        preset, argv = tyro.cli(Preset, return_unknown_args=True, add_help=False)  # --preset: the defaults
+        if preset.preset not in PRESETS:
+            raise InputError("--preset", f"unknown preset '{preset.preset}': choose one of {list(PRESETS)}")
+        train(tyro.cli(Args, default=PRESETS[preset.preset], args=argv))
     except InputError as e:
         sys.exit(f"error: {e}")
     finally:

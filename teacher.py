@@ -10,12 +10,10 @@ The policy reads one token per stacked proprio step (5), one per future referenc
 the HCDR token m_t; a transformer encoder mixes them and the output of token 0 (the current state s_t) goes through an
 MLP head to 29 action means. The action is a residual around the next reference joint positions:
 alpha = q_ref(t+1) + action_scale * a. The critic is a separate MLP on the privileged critic observation (which
-includes psi). The run plumbing (RunArgs, start_run, run_session, checkpoints, torchrun helpers) is shared with
-student.py.
+includes psi). student.py imports the model (TokenPolicy, the backbone both stages share) and the checkpoint readers.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pathlib
@@ -38,8 +36,8 @@ from ssjr import InputError
 
 
 @dataclass
-class RunArgs:
-    """The settings of a training run, shared with student.Args (which has its own defaults)."""
+class Args:
+    """PPO training of the HoRD teacher."""
     preset: str = "paper"
     """'paper' (the defaults below: the paper's configuration, GPU) or 'cpu' (small, runs on a CPU in minutes)"""
     exp_name: str = "teacher"
@@ -76,11 +74,6 @@ class RunArgs:
     """checkpoint of this script to continue from (only --total-env-steps and the device may change)"""
     run_dir: str = ""
     """where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})"""
-
-
-@dataclass
-class Args(RunArgs):
-    """PPO training of the HoRD teacher."""
     sim: str = "isaaclab"
     """simulator: isaaclab (the paper's training engine), genesis or mujoco (CPU)"""
     motions: str = "data/packets/g1_moves"
@@ -139,6 +132,14 @@ PRESETS = {
                 d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256, terrain_dim=64, critic_dim=256,
                 hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=1),
 }
+
+
+@dataclass
+class Preset:
+    preset: str = "paper"
+    """the defaults: paper (the paper's configuration, GPU) or cpu (a small model for a 2-core CPU); flags override"""
+
+
 # The env keys the teacher reads; their shapes are checked against the checkpoint's observation layout.
 TEACHER_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask", "critic")
 
@@ -251,6 +252,11 @@ class Agent(nn.Module):
         mean = self.actor(obs)
         return torch.distributions.Normal(mean, torch.full_like(mean, self.log_std).exp())
 
+    def forward(self, obs):
+        """(pi, V) for the PPO loss: the update calls the module itself, so that under torchrun DDP averages the
+        gradients over the ranks."""
+        return self.dist(obs), self.value(obs)
+
     def to_alpha(self, obs, a):
         """PD targets from the residual action."""
         return obs["ref_dof_pos"] + self.action_scale * a
@@ -276,19 +282,19 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, lam: float) ->
 
 def ppo_losses(agent, obs, actions, old_logprob, advantages, returns, clip_coef: float):
     """Clipped surrogate and value loss on one minibatch; also approx-KL and the clip fraction (for logging)."""
-    pi = agent.dist(obs)
+    pi, value = agent(obs)
     log_ratio = pi.log_prob(actions).sum(-1) - old_logprob
     ratio = log_ratio.exp()
     adv = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
-    v_loss = 0.5 * (agent.value(obs) - returns).pow(2).mean()
+    v_loss = 0.5 * (value - returns).pow(2).mean()
     with torch.no_grad():
         approx_kl = ((ratio - 1) - log_ratio).mean()
         clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
     return pg_loss, v_loss, approx_kl, clipfrac
 
 
-# --- checkpoints and the env they fix -------------------------------------------------------------------------------
+# --- checkpoints (student.py and evaluate.py read them too) ---------------------------------------------------------
 def load_checkpoint(path, kind: str | tuple[str, ...] = ("teacher", "student")) -> dict:
     """A checkpoint of `kind` (one of them, for a tuple), or an error naming the file."""
     path, kinds = pathlib.Path(path), (kind,) if isinstance(kind, str) else kind
@@ -329,25 +335,12 @@ def check_layout(path, expected: dict, found: dict, keys):
                                    f"env gives {found.get(k)} (different env version or settings)")
 
 
-def restore(resume: dict, path, model: nn.Module, optimizers: dict, device, rank: int):
-    """--resume: the weights, the optimizer states ({checkpoint key: optimizer}) and this rank's learner random
-    streams (the env's were set before its first reset); returns (global_step, iteration)."""
-    load_weights(path, model, resume["model"])
-    for key, optimizer in optimizers.items():
-        load_weights(path, optimizer, resume[key])
-    if (rng := resume["rng"]) is not None:
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], device)
-    print(f"rank {rank}: resumed from {path} at step {resume['global_step']:,} (iteration {resume['iteration']})")
-    return resume["global_step"], resume["iteration"]
-
-
-def env_kwargs(args) -> dict:
-    """The make_env settings a checkpoint fixes."""
-    return dict(sim=args.sim, motions=args.motions, terrain=args.terrain, dr=None if args.no_dr else "default")
+def load_policy(path, device="cpu"):
+    """(teacher Agent in eval mode, checkpoint dict) for evaluation and distillation."""
+    ckpt = load_checkpoint(path, "teacher")
+    agent = Agent(ckpt["obs_layout"], checkpoint_args(path, ckpt, Args)).to(device)
+    load_weights(path, agent, ckpt["model"])
+    return agent.eval(), ckpt
 
 
 def robot_motions(motions: str) -> str | list[str]:
@@ -363,218 +356,108 @@ def robot_motions(motions: str) -> str | list[str]:
     return [str(p) for p in paths if p not in human] if human else motions
 
 
-def build_env(cfg: dict, num_envs: int, device, seed: int, **overrides):
-    """The env from a checkpoint's env_kwargs."""
-    cfg = {**cfg, **overrides}
-    dr = envs.DR() if cfg.pop("dr") == "default" else None
-    return envs.make_env(num_envs=num_envs, device=str(device), dr=dr, seed=seed, **cfg)
-
-
-def load_policy(path, device="cpu"):
-    """(teacher Agent in eval mode, checkpoint dict) for evaluation and distillation."""
-    ckpt = load_checkpoint(path, "teacher")
-    agent = Agent(ckpt["obs_layout"], checkpoint_args(path, ckpt, Args)).to(device)
-    load_weights(path, agent, ckpt["model"])
-    return agent.eval(), ckpt
-
-
-# --- scale-out: torchrun starts one process (rank) per GPU or CPU core, each with its own env and learner replica ----
-def all_reduce_grads(params, world: int):
-    """Average the gradients over the ranks in one flat all-reduce (as rsl_rl does)."""
-    if world == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    for g, new in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(new.view_as(g))
-
-
-def broadcast_from_rank0(module: nn.Module, world: int):
-    """Every rank starts from rank 0's weights and statistics (ranks are seeded apart)."""
-    if world > 1:
-        for t in module.state_dict().values():
-            dist.broadcast(t, 0)
-
-
-# --- a training run: setup, logging, stop and crash handling (student.py uses these too) ----------------------------
-def parse_args(presets: dict | None = None):
-    """`--preset NAME` picks the defaults (of PRESETS, or of `presets`); every other flag overrides them."""
-    presets, argv = presets or PRESETS, sys.argv[1:]
-    preset = next((a.split("=", 1)[1] for a in argv if a.startswith("--preset=")), "paper")
-    if "--preset" in argv[:-1]:
-        preset = argv[argv.index("--preset") + 1]
-    if preset not in presets:
-        raise InputError("--preset", f"unknown preset '{preset}': choose one of {list(presets)}")
-    return tyro.cli(type(presets["paper"]), default=presets[preset])
-
-
-def start_run(args, kind: str):
-    """The --resume checkpoint of `kind` (its settings replace `args` but for the budget, and the device when --device
-    is given), threads, device (checked before any engine starts), process group (torchrun: nccl on CUDA, gloo on the
-    CPU), seeds (rank r: seed + r). Returns (args, resume checkpoint or None, device, rank, world)."""
-    resume = load_checkpoint(args.resume, kind) if args.resume else None
-    if resume is not None and "rng" not in resume:
-        raise InputError(args.resume, "weights only (a shipped model): it can be evaluated, exported or distilled "
-                                      "from, not resumed")
-    if resume is not None:  # the checkpoint fixes the env and the model; the run goes on in its folder
-        args = dataclasses.replace(checkpoint_args(args.resume, resume, type(args)), resume=args.resume,
+def main(args: Args) -> pathlib.Path:
+    # --- set-up: a resumed run takes its checkpoint's settings (only the budget and the device may change)
+    resume = load_checkpoint(args.resume, "teacher") if args.resume else None
+    if resume is not None:
+        if "rng" not in resume:
+            raise InputError(args.resume, "weights only (a shipped model): it can be evaluated, exported or "
+                                          "distilled from, not resumed")
+        args = dataclasses.replace(checkpoint_args(args.resume, resume, Args), resume=args.resume, amp=args.amp,
                                    run_dir=str(pathlib.Path(args.resume).parent), total_env_steps=args.total_env_steps,
-                                   device=args.device or resume["args"]["device"], amp=args.amp)
-    args = dataclasses.replace(args, device=args.device or "cuda")
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:  # torchrun: one GPU per process on this node
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+                                   device=args.device or resume["args"]["device"])
+    if args.minibatch_size > args.num_envs * args.num_steps:
+        raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
+                                             f"x {args.num_steps} steps)")
+    # device and ranks (torchrun: one process per GPU or CPU core, nccl on CUDA, gloo on the CPU), checked before any
+    # engine starts; no silent fallback from CUDA to the CPU
+    world, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(args.device or "cuda")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
     if device.type != "cuda" and args.amp:
         raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
                          f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
-    if device.type == "cuda":  # fp32 matmuls and convolutions use TF32; the CPU path stays exact fp32
+    if device.type == "cuda":  # fp32 matmuls use TF32 there; the CPU path stays exact fp32
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     print(f"rank {rank} of {world}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
           f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
-    random.seed(args.seed + rank)
+    random.seed(args.seed + rank)  # ranks are seeded apart; they start from rank 0's weights (DDP broadcasts them)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    if resume is not None:
-        # resume["rng"] := this rank's saved streams; None (fresh seed + rank streams) if fewer ranks wrote it or it
-        # was written on another device type (whose generators differ)
-        states = resume["rng"] if torch.device(resume["args"]["device"]).type == device.type else []
-        resume["rng"] = states[rank] if rank < len(states) else None
-    return args, resume, device, rank, world
+    rng = None  # a resumed rank goes on with its own random streams if the checkpoint has them (same device type)
+    if resume is not None and torch.device(resume["args"]["device"]).type == device.type and rank < len(resume["rng"]):
+        rng = resume["rng"][rank]
 
-
-@contextlib.contextmanager
-def run_session(args, kind: str, state, model: nn.Module, env, device, rank: int, world: int, global_step: int,
-                iteration: int, curves: dict, png: str):
-    """Around a training loop that starts after `iteration` iterations (`global_step` env-steps): makes the run folder
-    (--run-dir or runs/{exp_name}_{sim}_{seed}_{time}) and yields (stopping, end_iteration). stopping(): True on every
-    rank once Ctrl-C or torchrun's SIGTERM reached one. end_iteration(...): rank 0 logs `scalars` + charts/SPS to
-    TensorBoard, prints `line`, and every --checkpoint-every iterations writes run_dir/{kind}.pt ({'kind', **state(),
-    counters, world size, every rank's random streams}). On the way out the last finished iteration is saved (after a
-    crash too, unless the weights went bad) and rank 0 plots `curves` ({tag: title}) to run_dir/png."""
-    from torch.utils.tensorboard import SummaryWriter
-    name = [args.run_dir or f"runs/{args.exp_name}_{state()['env_cfg']['sim']}_{args.seed}_{int(time.time())}"]
-    if world > 1:
-        dist.broadcast_object_list(name, 0)
-    args.run_dir, run_dir, first_iteration, start_step = name[0], pathlib.Path(name[0]), iteration, global_step
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        print("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
-
-    def rng_states() -> list[dict]:  # every rank's learner (sampling, minibatch order) and env streams, in rank order
-        states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                  "env": {"gen": env.gen.get_state()}, **({"cuda": torch.cuda.get_rng_state(device)}
-                                                  if device.type == "cuda" else {})}
-        out = [states] * world
-        if world > 1:
-            dist.all_gather_object(out, states)
-        return out
-
-    def checkpoint():
-        if rank == 0 and finished["iteration"] > first_iteration:
-            payload = {"kind": kind, **state(), **finished, "world_size": world}
-            ssjr.write_atomic(run_dir / f"{kind}.pt", lambda tmp: torch.save(payload, tmp))
-
-    def stopping() -> bool:
-        flag = torch.tensor(float(stop["now"]), device=device)
-        if world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag)
-
-    def end_iteration(global_step: int, iteration: int, scalars: dict, line: str):
-        finished.update(global_step=global_step, iteration=iteration, rng=rng_states())
-        sps, total = (global_step - start_step) / (time.time() - start_time), args.total_env_steps
-        if writer is not None:
-            for k, v in {**scalars, "charts/SPS": sps, "iteration": iteration}.items():
-                writer.add_scalar(k, v, global_step)
-            print(f"it {iteration} step {global_step:,}/{total:,} | {sps:,.0f} env-steps/s | {line} | ETA "
-                  f"{(total - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
-        if iteration % args.checkpoint_every == 0:
-            checkpoint()
-
-    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}
-    stop = {"now": False}
-    previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True)) for sig in (signal.SIGINT, signal.SIGTERM)}
-    # rank 0 alone writes logs; a resumed run hides what was logged after its checkpoint's step
-    writer = SummaryWriter(run_dir, purge_step=global_step + 1) if rank == 0 else None
-    start_time = time.time()
-    try:
-        yield stopping, end_iteration
-    except BaseException:
-        if all(p.isfinite().all() for p in model.parameters()):
-            checkpoint()
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if writer is not None:
-            writer.close()
-    checkpoint()
-    log = read_log(run_dir) if rank == 0 else {}  # {} before the first iteration
-    if log:
-        from matplotlib.figure import Figure
-        fig, x = Figure(figsize=(3 * len(curves), 3.2), layout="tight"), log["global_step"]
-        for ax, (tag, title) in zip(fig.subplots(1, len(curves)), curves.items()):
-            y = np.asarray(log[tag], dtype=float)
-            ax.plot(x, y, alpha=0.35, lw=0.8)
-            if len(y) >= 20:
-                ax.plot(x[19:], np.convolve(np.nan_to_num(y, nan=np.nanmean(y)), np.ones(20) / 20, mode="valid"),
-                        lw=1.8)
-            ax.set_xlabel("env steps", fontsize=8)
-            ax.set_title(title, fontsize=8)
-            ax.grid(alpha=0.3)
-        fig.savefig(run_dir / png, dpi=110)
-        print(f"saved {kind}.pt, the TensorBoard log and {png} in {run_dir}")
-
-
-def read_log(run_dir) -> dict[str, list[float]]:
-    """A run's per-iteration scalars from its TensorBoard event files (a resumed run's too), as lists keyed by tag,
-    with the env-steps of each iteration as 'global_step'; {} before the first iteration."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()  # 0: keep every iteration
-    log = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-    return {"global_step": [e.step for e in events.Scalars("iteration")], **log} if log else {}
-
-
-def main(args: Args) -> pathlib.Path:
-    args, resume, device, rank, world = start_run(args, "teacher")
-    if args.minibatch_size > args.num_envs * args.num_steps:
-        raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
-                                             f"x {args.num_steps} steps)")
-    env_cfg = {**env_kwargs(args), "motions": robot_motions(args.motions)}  # what the student distils on, too
-    env = build_env(env_cfg, args.num_envs, device, args.seed + rank, terrain_seed=args.seed,  # one terrain for all
-                    performance_mode=args.performance_mode)  # make_env applies it to Genesis only
-    if resume is not None and resume["rng"] is not None:  # this rank's env stream, before the first reset
-        env.gen.set_state(resume["rng"]["env"]["gen"])
+    env_cfg = dict(sim=args.sim, motions=robot_motions(args.motions), terrain=args.terrain,  # the student's env too
+                   dr=None if args.no_dr else "default")
+    env = envs.make_env(**env_cfg, num_envs=args.num_envs, device=str(device), seed=args.seed + rank,
+                        terrain_seed=args.seed, performance_mode=args.performance_mode)  # one terrain for all ranks
+    if rng is not None:  # this rank's env stream, before the first reset
+        env.gen.set_state(rng["env"]["gen"])
     obs = env.reset()
     layout = env.obs_layout
     agent = Agent(layout, args).to(device)
     agent.update_norms(obs)
     actor_opt = torch.optim.Adam(agent.actor.parameters(), lr=args.actor_lr, eps=1e-5)
-    critic_opt = torch.optim.Adam(list(agent.critic.parameters()), lr=args.critic_lr, eps=1e-5)
+    critic_opt = torch.optim.Adam(agent.critic.parameters(), lr=args.critic_lr, eps=1e-5)
     global_step, iteration = 0, 0
     if resume is not None:
         check_layout(args.resume, resume["obs_layout"], layout, TEACHER_OBS)
-        global_step, iteration = restore(resume, args.resume, agent, dict(actor_opt=actor_opt, critic_opt=critic_opt),
-                                         device, rank)
-    broadcast_from_rank0(agent, world)
-    state = lambda: {"args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
-                     "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
-                     "critic_opt": critic_opt.state_dict()}
-    curves = {"charts/success_rate": "success rate (episodes reaching the clip end)",
-              "charts/gt_err_mm": "g-mpjpe (mm)", "charts/episode_length": "episode length (steps of 20 ms)",
-              "charts/episode_return": "episode return"}
+        for module, key in ((agent, "model"), (actor_opt, "actor_opt"), (critic_opt, "critic_opt")):
+            load_weights(args.resume, module, resume[key])
+        global_step, iteration = resume["global_step"], resume["iteration"]
+        print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
+    if rng is not None:  # this rank's learner streams (sampling, minibatch order)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    # under torchrun the update runs through DDP: rank 0's weights to every rank now, averaged gradients in backward
+    learner = nn.parallel.DistributedDataParallel(agent, broadcast_buffers=False) if world > 1 else agent
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
+
+    # --- the run folder (rank 0 writes it), TensorBoard, checkpoints, Ctrl-C / torchrun's SIGTERM
+    run_dir = [args.run_dir or f"runs/{args.exp_name}_{args.sim}_{args.seed}_{int(time.time())}"]
+    if world > 1:
+        dist.broadcast_object_list(run_dir, 0)
+    args.run_dir, run_dir = run_dir[0], pathlib.Path(run_dir[0])
+    writer = None
+    if rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
+        writer = SummaryWriter(run_dir, purge_step=global_step + 1)  # a resumed run hides what came after its step
+
+    def rng_states() -> list[dict]:  # every rank's learner and env streams, in rank order
+        states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                  "env": {"gen": env.gen.get_state()},
+                  **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
+        out = [states] * world
+        if world > 1:
+            dist.all_gather_object(out, states)
+        return out
+
+    def save(finished: dict):  # a plain dict, written atomically by rank 0
+        if rank == 0 and finished["iteration"] > first_iteration:
+            ckpt = {"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
+                    "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
+                    "critic_opt": critic_opt.state_dict(), **finished, "world_size": world}
+            ssjr.write_atomic(run_dir / "teacher.pt", lambda tmp: torch.save(ckpt, tmp))
+
+    first_iteration, start_step = iteration, global_step
+    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}  # the last whole iteration
+    stop = torch.zeros((), device=device)  # set by a signal on any rank; the ranks agree on it every iteration
+    previous = {sig: signal.signal(sig, lambda *_: stop.fill_(1.0)) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     # ALGO LOGIC: storage (preallocated rollout buffers)
     n, T = args.num_envs, args.num_steps
@@ -584,10 +467,12 @@ def main(args: Args) -> pathlib.Path:
     ep_return, ep_len = torch.zeros(n, device=device), torch.zeros(n, device=device)
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
     start_time, sim_time = time.time(), 0.0
-
-    with run_session(args, "teacher", state, agent, env, device, rank, world, global_step, iteration, curves,
-                     "learning_curve.png") as (stopping, end_iteration), contextlib.closing(env):
-        while global_step + per_iteration <= args.total_env_steps and not stopping():
+    try:
+        while global_step + per_iteration <= args.total_env_steps:
+            if world > 1:
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
             iteration += 1
             # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps or episodes
             step_sums = torch.zeros(2 + len(envs.REWARD_COEFFS), device=device)  # gt_err_m, mpjpe_m, reward terms
@@ -640,7 +525,7 @@ def main(args: Args) -> pathlib.Path:
                     mb = perm[start:start + args.minibatch_size]
                     mb_obs = {k: v[mb] for k, v in b_obs.items()}
                     with amp():
-                        pg_loss, v_loss, approx_kl, clipfrac = ppo_losses(agent, mb_obs, b_actions[mb],
+                        pg_loss, v_loss, approx_kl, clipfrac = ppo_losses(learner, mb_obs, b_actions[mb],
                                                                           b_logprobs[mb], b_adv[mb], b_returns[mb],
                                                                           args.clip_coef)
                     approx_kls.append(approx_kl)
@@ -661,7 +546,6 @@ def main(args: Args) -> pathlib.Path:
                     actor_opt.zero_grad()
                     critic_opt.zero_grad()
                     loss.backward()
-                    all_reduce_grads(agent.parameters(), world)
                     nn.utils.clip_grad_norm_(agent.actor.parameters(), args.max_grad_norm)
                     nn.utils.clip_grad_norm_(agent.critic.parameters(), args.max_grad_norm)
                     actor_opt.step()
@@ -686,22 +570,45 @@ def main(args: Args) -> pathlib.Path:
             scalars = dict(zip(on_device, host))
             (gt_err_m, mpjpe_m, *terms), (episodes, *ep, nan_resets) = host[len(on_device):-5], host[-5:]
             ep_return_mean, ep_len_mean, success = (x / episodes if episodes else float("nan") for x in ep)
+            sps = (global_step - start_step) / (time.time() - start_time)
             scalars.update({"charts/episode_return": ep_return_mean, "charts/episode_length": ep_len_mean,
                             "charts/success_rate": success, "charts/gt_err_mm": 1000 * gt_err_m,
-                            "charts/mpjpe_mm": 1000 * mpjpe_m, "charts/nan_resets": nan_resets,
+                            "charts/mpjpe_mm": 1000 * mpjpe_m, "charts/nan_resets": nan_resets, "charts/SPS": sps,
                             "charts/sim_time_fraction": sim_time / (time.time() - start_time),
-                            "losses/actor_lr": actor_opt.param_groups[0]["lr"],
+                            "losses/actor_lr": actor_opt.param_groups[0]["lr"], "iteration": iteration,
                             **{f"rewards/{k}": v for k, v in zip(envs.REWARD_COEFFS, terms)}})
-            end_iteration(global_step, iteration, scalars,
-                          f"reward {scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
-                          f"{1000 * gt_err_m:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets "
-                          f"{nan_resets:.0f}")
-    return pathlib.Path(args.run_dir) / "teacher.pt"
+            finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}
+            if writer is not None:
+                for k, v in scalars.items():
+                    writer.add_scalar(k, v, global_step)
+                print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | "
+                      f"reward {scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
+                      f"{1000 * gt_err_m:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets {nan_resets:.0f} "
+                      f"| ETA {(args.total_env_steps - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
+            if iteration % args.checkpoint_every == 0:
+                save(finished)
+    except BaseException:  # a crash still leaves the last whole iteration on disk (unless the weights went bad)
+        if all(p.isfinite().all() for p in agent.parameters()):
+            save(finished)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if writer is not None:
+            writer.close()
+        env.close()
+    save(finished)
+    if rank == 0:
+        print(f"saved teacher.pt and the TensorBoard log in {run_dir}")
+    return run_dir / "teacher.pt"
 
 
 if __name__ == "__main__":
     try:
-        main(parse_args())
+        preset, argv = tyro.cli(Preset, return_unknown_args=True, add_help=False)  # --preset NAME: the defaults
+        if preset.preset not in PRESETS:
+            raise InputError("--preset", f"unknown preset '{preset.preset}': choose one of {list(PRESETS)}")
+        main(tyro.cli(Args, default=PRESETS[preset.preset], args=argv))
     except InputError as e:
         sys.exit(f"error: {e}")
     finally:

@@ -66,3 +66,12 @@ class FakeEnv:
 
     def close(self):
         pass
+
+
+def read_log(run_dir) -> dict[str, list[float]]:
+    """A run's per-iteration TensorBoard scalars (a resumed run's too) as lists keyed by tag, with the env-steps of each
+    iteration as 'global_step'; {} before the first iteration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()  # 0: keep every iteration
+    log = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return {"global_step": [e.step for e in events.Scalars("iteration")], **log} if log else {}

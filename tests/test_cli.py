@@ -66,7 +66,7 @@ def bad_files(tmp_path_factory):
     (["student.py", "--preset", "cpu", "--teacher-ckpt", "{d}/truncated.pt"], ["truncated.pt: not a readable"]),
     (["student.py", "--preset", "cpu", "--teacher-ckpt", "{d}/student.pt"], ["expected a teacher checkpoint"]),
     (["student.py", "--preset", "cpu", "--resume", "{d}/teacher.pt", "--teacher-ckpt", "x"], ["found 'teacher'"]),
-    (["student.py", "export", "--ckpt", "{d}/list.pt"], ["list.pt: expected a student checkpoint"]),
+    (["export.py", "--ckpt", "{d}/list.pt"], ["list.pt: expected a student checkpoint"]),
     (["student.py", "--preset", "cpu", "--teacher-ckpt", "x", "--buffer-iterations", "0"], ["--buffer-iterations"]),
     (["evaluate.py", "--ckpt", "{d}/teacher.pt", "--seeds", "-1"], ["seeds >= 0"]),
     (["evaluate.py", "--ckpt", "{d}/truncated.pt"], ["truncated.pt: not a readable"]),

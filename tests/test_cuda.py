@@ -11,6 +11,7 @@ import torch
 import envs
 import student
 import teacher
+from conftest import read_log
 from test_envs import write_nan_joint_velocity
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
@@ -65,7 +66,7 @@ def test_paper_presets_teacher_two_iterations_student_one(amp, train_packet, tmp
     start = time.perf_counter()
     t_path = teacher.main(dataclasses.replace(teacher.Args(), sim="genesis", motions=str(train_packet), amp=amp,
                                               total_env_steps=2 * per_it, run_dir=str(tmp_path / "teacher")))
-    log = teacher.read_log(tmp_path / "teacher")
+    log = read_log(tmp_path / "teacher")
     assert log["iteration"] == [1, 2] and all(v == v for v in log["losses/value_loss"])
     print(f"\nteacher paper preset (amp={amp}): {log['charts/SPS'][-1]:,.0f} env-steps/s incl. learning, "
           f"{time.perf_counter() - start:.0f} s for 2 iterations, peak GPU memory {peak_gib():.1f} GiB")
@@ -73,7 +74,7 @@ def test_paper_presets_teacher_two_iterations_student_one(amp, train_packet, tmp
     s_args = student.Args(teacher_ckpt=str(t_path), num_envs=N, amp=amp, total_env_steps=N * student.Args().num_steps,
                           run_dir=str(tmp_path / "student"))
     student.train(s_args)
-    s_log = teacher.read_log(tmp_path / "student")
+    s_log = read_log(tmp_path / "student")
     assert s_log["iteration"] == [1] and s_log["losses/dagger_mse"][0] == s_log["losses/dagger_mse"][0]
     print(f"student paper preset (amp={amp}): {s_log['charts/SPS'][-1]:,.0f} env-steps/s incl. learning, peak GPU "
           f"memory {peak_gib():.1f} GiB")

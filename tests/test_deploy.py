@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import deploy  # noqa: E402
 import evaluate as ev  # noqa: E402
-import student  # noqa: E402
+import export as onnx_export  # noqa: E402
 from test_student import make_student_ckpt  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def export(train_packet, tmp_path_factory):
     ckpt = torch.load(path, weights_only=False)
     ckpt["env_cfg"]["motions"] = str(train_packet)
     torch.save(ckpt, path)
-    return path, student.export(student.Export(ckpt=str(path), onnx=str(tmp / "s.onnx")))
+    return path, onnx_export.export(onnx_export.Args(ckpt=str(path), onnx=str(tmp / "s.onnx")))
 
 
 def parity(export, train_packet) -> str:
@@ -49,7 +49,7 @@ def parity(export, train_packet) -> str:
 def test_the_contract_states_every_choice(export):
     import onnx
     meta = {p.key: json.loads(p.value) for p in onnx.load(str(export[1])).metadata_props}
-    assert meta["contract"] == json.loads(json.dumps(student.DEPLOY_CONTRACT))
+    assert meta["contract"] == json.loads(json.dumps(onnx_export.DEPLOY_CONTRACT))
     for choice in ("history", "proprio_rows", "gravity_direction", "terrain_grid", "keypoint_resampling", "pd_law"):
         assert len(meta["contract"][choice]) > 40, choice
     assert meta["contract"]["keypoint_steps"] == list(range(-7, 5))

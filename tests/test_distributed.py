@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import teacher
+from conftest import read_log
 from test_teacher import LAYOUT, fake_obs, small_args
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -26,17 +27,17 @@ def free_port() -> int:
 
 
 def one_update(agent, rank_obs, batch_obs, world):
-    """The teacher's update on one rank: normalizer statistics from this rank's observations, then one PPO step on
-    `batch_obs` with the gradients averaged over the ranks."""
+    """The teacher's update on one rank, set up as teacher.main does: normalizer statistics from this rank's
+    observations, then DDP (rank 0's weights to every rank) and one PPO step on `batch_obs` through it."""
     torch.manual_seed(0)
     agent.update_norms(rank_obs)
+    learner = torch.nn.parallel.DistributedDataParallel(agent, broadcast_buffers=False) if world > 1 else agent
     opt = torch.optim.SGD(agent.parameters(), lr=0.1)  # Adam would blow float noise on ~0 gradients up to lr
     n = len(batch_obs["critic"])
     g = torch.Generator().manual_seed(3)
-    pg, v, _, _ = teacher.ppo_losses(agent, batch_obs, torch.randn(n, 29, generator=g), torch.randn(n, generator=g),
+    pg, v, _, _ = teacher.ppo_losses(learner, batch_obs, torch.randn(n, 29, generator=g), torch.randn(n, generator=g),
                                      torch.randn(n, generator=g), torch.randn(n, generator=g), 0.2)
     (pg + v).backward()
-    teacher.all_reduce_grads(agent.parameters(), world)
     opt.step()
     return agent.state_dict()
 
@@ -49,9 +50,8 @@ def rank_obs(rank):
 
 def rank_main(rank, world, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.manual_seed(rank)  # ranks are seeded apart, as in teacher.main: rank 0's weights are broadcast
+    torch.manual_seed(rank)  # ranks are seeded apart, as in teacher.main: DDP starts them from rank 0's weights
     agent = teacher.Agent(LAYOUT, small_args())
-    teacher.broadcast_from_rank0(agent, world)
     state = one_update(agent, rank_obs(rank), fake_obs(32, torch.Generator().manual_seed(99)), world)
     torch.save(state, pathlib.Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -87,7 +87,7 @@ def launch(nproc, script, *flags, expect_ok=True):
 
 
 def first_row(run_dir) -> dict:
-    return {k: v[0] for k, v in teacher.read_log(run_dir).items()}
+    return {k: v[0] for k, v in read_log(run_dir).items()}
 
 
 @pytest.mark.slow
@@ -121,12 +121,13 @@ def test_a_failing_rank_ends_the_job_with_its_own_error(train_packet, tmp_path):
     script = tmp_path / "rank1_fails.py"
     script.write_text(f"""import os, sys
 sys.path.insert(0, {str(REPO)!r})
-import envs, teacher
+import runpy
+import envs
 if os.environ["RANK"] == "1":
     def broken(**kwargs):
         raise RuntimeError("rank 1: the engine did not start")
     envs.make_env = broken
-teacher.main(teacher.parse_args())
+runpy.run_path({str(REPO / 'teacher.py')!r}, run_name="__main__")
 """)
     out = launch(2, str(script), "--preset", "cpu", "--motions", str(train_packet), "--num-envs", "8",
                  "--minibatch-size", "64", "--no-performance-mode", "--run-dir", str(tmp_path / "run"), expect_ok=False)

@@ -599,7 +599,7 @@ def test_opened_env_is_the_checkpoint_env_cfg_with_the_setting_overrides(monkeyp
         return made[-1][1]
     monkeypatch.setattr(envs, "make_env", make_env)
     cfg = {"sim": "isaaclab", "motions": "data/packets/g1_moves", "terrain": "mix", "dr": "default", "start": "random"}
-    for token, dr in (("zero_shot+dr@rough_slope", envs.DR()), ("in_domain", None)):
+    for token, dr in (("zero_shot+dr@rough_slope", "default"), ("in_domain", None)):
         setting = ev.parse_setting(token, "isaaclab")
         with ev.opened_env(cfg, setting, [pathlib.Path("x.npz")], 3, "cpu", 7) as env:
             assert not env.closed
@@ -637,14 +637,14 @@ def scripted_main(tmp_path, monkeypatch, fail_label="nohcdr", raise_at_step=None
                     "obs_layout": {"proprio": [5, 3]}, "model": {}}, paths[-1])
     built = []
 
-    def build_env(cfg, n, device, seed, **overrides):
+    def make_env(**cfg):
         assert not built or built[-1].closed, "a second env was built before the first was closed"
-        assert overrides["start"] == "frame0" and not overrides["exclude_test"]
-        built.append(ScriptedEnv(n, [4, 6, 5][:len(overrides["motions"])], fail_at={(0, 0): 2} if cfg["run"] ==
-                                 fail_label else None, raise_at_step=raise_at_step))
-        built[-1].build_seed = seed
+        assert cfg["start"] == "frame0" and not cfg["exclude_test"]
+        built.append(ScriptedEnv(cfg["num_envs"], [4, 6, 5][:len(cfg["motions"])], fail_at={(0, 0): 2} if
+                                 cfg["run"] == fail_label else None, raise_at_step=raise_at_step))
+        built[-1].build_seed = cfg["seed"]
         return built[-1]
-    monkeypatch.setattr(teacher, "build_env", build_env)
+    monkeypatch.setattr(envs, "make_env", make_env)
     monkeypatch.setattr(ev, "load_policy", lambda path, device: (ZeroPolicy(), teacher.load_checkpoint(path)))
     args = ev.Args(ckpt=tuple(paths), labels=("HoRD", "HoRD w/o HCDR"), settings=("in_domain", "zero_shot+dr"),
                    motions=str(folder), seeds=(3, 5), episodes=2, out_dir=str(tmp_path / "out"))
@@ -840,7 +840,8 @@ def tiny_checkpoints(tmp_path_factory, handsup_packets):
     import teacher
     args = dataclasses.replace(teacher.PRESETS["cpu"], sim="isaaclab", motions=str(handsup_packets[0].parent),
                                terrain="flat", num_envs=1)
-    env = teacher.build_env(teacher.env_kwargs(args), 1, "cpu", 0, sim="genesis", exclude_test=False)  # layout only
+    env_cfg = {"sim": args.sim, "motions": args.motions, "terrain": args.terrain, "dr": "default"}  # as teacher.main
+    env = envs.make_env(**{**env_cfg, "sim": "genesis"}, num_envs=1, exclude_test=False)  # layout only
     try:
         env.reset()
         layout = env.obs_layout
@@ -848,11 +849,11 @@ def tiny_checkpoints(tmp_path_factory, handsup_packets):
         env.close()
     folder = tmp_path_factory.mktemp("ckpt")
     paths = folder / "tiny_teacher.pt", folder / "tiny_student.pt"
-    torch.save({"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": teacher.env_kwargs(args), "rng": [],
+    torch.save({"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "rng": [],
                 "obs_layout": layout, "model": teacher.Agent(layout, args).state_dict()}, paths[0])
     student_args = dataclasses.replace(student.PRESETS["cpu"], teacher_ckpt=str(paths[0]),
                                        **{k: getattr(args, k) for k in student.MODEL_SIZES})  # as student.train does
-    torch.save({"kind": "student", "args": dataclasses.asdict(student_args), "env_cfg": teacher.env_kwargs(args),
+    torch.save({"kind": "student", "args": dataclasses.asdict(student_args), "env_cfg": env_cfg,
                 "rng": [], "obs_layout": layout, "model": student.StudentPolicy(layout, student_args).state_dict()},
                paths[1])
     return paths

@@ -5,14 +5,14 @@ import pathlib
 import pytest
 
 import evaluate as ev
-import student
+import export
 
 MODELS = pathlib.Path(__file__).resolve().parents[1] / "models"
 
 
 @pytest.mark.slow
 def test_the_shipped_models_export_match_their_contract_and_track_their_clip(train_packet, tmp_path):
-    onnx = student.export(student.Export(ckpt=str(MODELS / "student.pt"), onnx=str(tmp_path / "student.onnx")))
+    onnx = export.export(export.Args(ckpt=str(MODELS / "student.pt"), onnx=str(tmp_path / "student.onnx")))
     verdict = ev.parity(ev.Args(ckpt=(str(MODELS / "student.pt"),), onnx=(str(onnx),), motions=str(train_packet)))
     assert verdict.startswith("all inputs match")
     summary = ev.main(ev.Args(ckpt=(str(MODELS / "teacher.pt"), str(MODELS / "student.pt")),

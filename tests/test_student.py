@@ -14,8 +14,10 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402
 import ssjr  # noqa: E402
+import export  # noqa: E402
 import student  # noqa: E402
 import teacher  # noqa: E402
+from conftest import read_log  # noqa: E402
 
 J = len(ssjr.KEYPOINT_NAMES)
 LAYOUT = {"proprio": [5, 535], "future": [8, 569], "ref_dof_pos": [29], "terrain": [121], "history": [16, 93],
@@ -103,12 +105,12 @@ def test_checkpoint_round_trip(tmp_path):
 
 def test_bad_teacher_checkpoints_are_clear_errors(tmp_path):
     with pytest.raises(ssjr.InputError, match="nope.pt"):
-        student.load_teacher(tmp_path / "nope.pt", "cpu")
+        teacher.load_policy(tmp_path / "nope.pt", "cpu")
     s_path, _ = make_student_ckpt(tmp_path / "s.pt")
     with pytest.raises(ValueError, match="expected a teacher checkpoint, found 'student'"):
-        student.load_teacher(s_path, "cpu")
+        student.train(dataclasses.replace(CPU, teacher_ckpt=str(s_path)))
     with pytest.raises(ValueError, match="--teacher-ckpt"):
-        student.load_teacher("", "cpu")
+        student.train(dataclasses.replace(CPU, teacher_ckpt=""))
     t_path = make_teacher_ckpt(tmp_path / "t.pt")
     with pytest.raises(ValueError, match="expected a student checkpoint, found 'teacher'"):
         student.load_policy(t_path)
@@ -130,7 +132,7 @@ def test_env_cfg_comes_from_the_teacher():
 
 
 def test_the_student_shares_the_teachers_hcdr(tmp_path):
-    agent, _ = student.load_teacher(make_teacher_ckpt(tmp_path / "t.pt"), "cpu")
+    agent, _ = teacher.load_policy(make_teacher_ckpt(tmp_path / "t.pt"), "cpu")
     agent.actor.history_norm.update(torch.randn(100, 93))
     policy = student.StudentPolicy(LAYOUT, CPU)  # sizes: the teacher's
     student.share_teacher_hcdr(policy, agent, "t.pt")
@@ -165,12 +167,12 @@ def test_onnx_export_matches_pytorch(tmp_path, hcdr):
     import onnx
     import onnxruntime as ort
     path, policy = make_student_ckpt(tmp_path / "s.pt", dataclasses.replace(CPU, hcdr=hcdr))
-    out = student.export(student.Export(ckpt=str(path), onnx=str(tmp_path / "s.onnx")))
+    out = export.export(export.Args(ckpt=str(path), onnx=str(tmp_path / "s.onnx")))
     meta = {p.key: json.loads(p.value) for p in onnx.load(str(out)).metadata_props}
     session = ort.InferenceSession(str(out))
     names = [i.name for i in session.get_inputs()]
     assert names == list(meta["inputs"])
-    assert names == list(student.DEPLOY_INPUTS)[:5 if hcdr == "none" else 7]
+    assert names == list(export.DEPLOY_INPUTS)[:5 if hcdr == "none" else 7]
     assert meta["dof_names"] == list(ssjr.DOF_NAMES) and meta["control_dt_s"] == envs.CONTROL_DT_S
     for n, seed in ((1, 0), (7, 1), (64, 2)):  # dynamic batch
         obs = random_obs(n, seed)
@@ -194,7 +196,7 @@ N_ENVS = 16
 @pytest.fixture(scope="module")
 def sim_setup(train_packet, tmp_path_factory):
     cfg = {"sim": "genesis", "motions": str(train_packet), "terrain": "flat", "dr": "default"}
-    env = teacher.build_env(cfg, N_ENVS, "cpu", seed=0)
+    env = envs.make_env(**cfg, num_envs=N_ENVS, device="cpu", seed=0)
     env.reset()
     tmp = tmp_path_factory.mktemp("student")
     t_path = make_teacher_ckpt(tmp / "teacher.pt", env.obs_layout, cfg, perturb=False)
@@ -225,18 +227,17 @@ def clean_action_mse(env, policy, agent, steps=24) -> float:
 @pytest.mark.slow
 def test_short_distillation_reduces_action_mse(sim_setup, trained):
     env, t_path, args = sim_setup
-    assert (pathlib.Path(args.run_dir) / "distillation_curve.png").exists()
-    mse = teacher.read_log(args.run_dir)["charts/action_mse"]
+    mse = read_log(args.run_dir)["charts/action_mse"]
     assert len(mse) == 8 and np.isfinite(mse).all()
     assert np.mean(mse[-2:]) < 0.5 * mse[0], mse  # rollout MSE to the teacher on the student's own states
-    agent, _ = student.load_teacher(t_path, "cpu")
+    agent, _ = teacher.load_policy(t_path, "cpu")
     policy, ckpt = student.load_policy(trained)
     untrained = copy.deepcopy(policy)  # the same normalizers, the initial zero head: alpha_2 = alpha_0
     torch.nn.init.zeros_(untrained.actor.head[-1].weight)
     torch.nn.init.zeros_(untrained.actor.head[-1].bias)
     before, after = clean_action_mse(env, untrained, agent), clean_action_mse(env, policy, agent)
     assert after < 0.5 * before, (before, after)
-    log = teacher.read_log(args.run_dir)  # the rollouts' tracking figures (success: NaN while no episode ended)
+    log = read_log(args.run_dir)  # the rollouts' tracking figures (success: NaN while no episode ended)
     success, g_mpjpe_mm = log["charts/success_rate"], log["charts/gt_err_mm"]
     assert all(0.0 <= s <= 1.0 for s in success if s == s) and all(0 < g < 1000 for g in g_mpjpe_mm), log
     print(f"\nrollout action MSE per iteration {np.round(mse, 4).tolist()}; clean MSE {before:.4f} -> {after:.4f}; "
@@ -286,7 +287,7 @@ def test_env_evaluate_and_export_read_one_keypoint_command(train_packet, tmp_pat
     import evaluate
     import onnxruntime as ort
     path, policy = make_student_ckpt(tmp_path / "s.pt")
-    session = ort.InferenceSession(str(student.export(student.Export(ckpt=str(path), onnx=str(tmp_path / "s.onnx")))))
+    session = ort.InferenceSession(str(export.export(export.Args(ckpt=str(path), onnx=str(tmp_path / "s.onnx")))))
     env_cfg = {"sim": "genesis", "motions": str(train_packet), "terrain": "flat", "dr": "default"}
     with evaluate.opened_env(env_cfg, evaluate.parse_setting("genesis", "genesis"), [train_packet], 2, "cpu",
                              seed=0) as env:

@@ -4,8 +4,10 @@ import dataclasses
 import pytest
 import torch
 
+import envs
 import ssjr
 import teacher
+from conftest import read_log
 
 LAYOUT = {"proprio": [5, 535], "future": [8, 569], "ref_dof_pos": [29], "terrain": [121], "history": [16, 93],
           "history_mask": [16], "critic": [1235]}
@@ -106,7 +108,7 @@ def test_real_run_learns_resumes_and_is_deterministic(train_packet, tmp_path):
     per_it = 32 * 24                                                              # the critic margin below needs them
     run_a = teacher.main(small_args(run_dir=str(tmp_path / "a"), total_env_steps=2 * per_it, **common))
     teacher.main(small_args(run_dir=str(tmp_path / "b"), total_env_steps=per_it, **common))
-    log_a, log_b = teacher.read_log(tmp_path / "a"), teacher.read_log(tmp_path / "b")
+    log_a, log_b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
     for k in ("losses/policy_loss", "losses/value_loss", "charts/mean_reward"):
         assert log_b[k][0] == log_a[k][0], k
 
@@ -121,7 +123,7 @@ def test_real_run_learns_resumes_and_is_deterministic(train_packet, tmp_path):
     after = torch.load(resumed, weights_only=False)
     assert after["global_step"] == 14 * per_it and after["iteration"] == 14
     assert resumed == run_a
-    log = teacher.read_log(tmp_path / "a")
+    log = read_log(tmp_path / "a")
     assert log["iteration"] == list(range(1, 15))
     value_loss, explained = log["losses/value_loss"], log["losses/explained_variance"]
     assert sum(value_loss[-3:]) < 0.5 * sum(value_loss[:3]), value_loss
@@ -139,7 +141,7 @@ def test_tracking_reward_improves_in_a_short_real_run(train_packet, tmp_path):
     from test_distributed import launch
     launch(2, "teacher.py", "--preset", "cpu", "--motions", str(train_packet), "--total-env-steps",
            str(38 * 128 * 24), "--run-dir", str(tmp_path), "--checkpoint-every", "100")
-    log = teacher.read_log(tmp_path)
+    log = read_log(tmp_path)
     assert log["iteration"][-1] == 38 and small_args().num_envs == 64
     mean = lambda xs: sum(xs) / len(xs)
     reward, ret = log["charts/mean_reward"], log["charts/episode_return"]
@@ -157,15 +159,15 @@ def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeyp
     args = small_args(num_envs=8, num_steps=4, minibatch_size=16, total_env_steps=10 * per_it, checkpoint_every=100,
                       run_dir=str(tmp_path), torch_threads=1)
     monkeypatch.setattr(teacher, "robot_motions", lambda motions: motions)  # no motion files: a FakeEnv plays
-    monkeypatch.setattr(teacher, "build_env", lambda *a, **k: FakeEnv(LAYOUT, 8, crash_at=3 * 4 + 2))
+    monkeypatch.setattr(envs, "make_env", lambda **k: FakeEnv(LAYOUT, 8, crash_at=3 * 4 + 2))
     with pytest.raises(RuntimeError, match="the engine died"):
         teacher.main(args)
     ckpt = torch.load(tmp_path / "teacher.pt", weights_only=False)
     assert ckpt["iteration"] == 3 and ckpt["global_step"] == 3 * per_it
-    monkeypatch.setattr(teacher, "build_env", lambda *a, **k: FakeEnv(LAYOUT, 8))
+    monkeypatch.setattr(envs, "make_env", lambda **k: FakeEnv(LAYOUT, 8))
     teacher.main(small_args(resume=str(tmp_path / "teacher.pt"), total_env_steps=5 * per_it))
     assert torch.load(tmp_path / "teacher.pt", weights_only=False)["iteration"] == 5
-    assert teacher.read_log(tmp_path)["iteration"] == [1, 2, 3, 4, 5]
+    assert read_log(tmp_path)["iteration"] == [1, 2, 3, 4, 5]
 
 
 def test_a_teacher_trains_on_robot_motions_only(tmp_path, capsys):
@@ -197,4 +199,4 @@ def test_both_stages_run_on_mujoco(train_packet, tmp_path):
                                  run_dir=str(tmp_path / "s"))
     s_ckpt = torch.load(student.train(s_args), weights_only=False)
     assert s_ckpt["env_cfg"]["sim"] == "mujoco" and s_ckpt["global_step"] == 2 * 16 * 8
-    assert teacher.read_log(tmp_path / "s")["iteration"] == [1, 2]
+    assert read_log(tmp_path / "s")["iteration"] == [1, 2]
