@@ -378,8 +378,8 @@ def train(args: Args, env=None) -> pathlib.Path:
                 group["lr"] = args.lr * (1.0 - global_step / args.total_env_steps)
             oldest = collected % args.buffer_iterations * T * n  # this rollout replaces the oldest one
             # per-iteration sums on the device (read once per iteration): action mse, g-mpjpe, teacher-driven steps
-            step_sums = torch.zeros(3, device=device)
-            episode_sums = torch.zeros(3, device=device)  # episodes, length, successes
+            step_sums = dict.fromkeys(("action_mse", "gt_err_m", "teacher_fraction"), 0.0)
+            episode_sums = dict.fromkeys(("episodes", "length", "successes"), 0.0)
             for step in range(T):
                 with torch.no_grad(), amp():
                     alpha_2 = policy(obs)
@@ -393,10 +393,13 @@ def train(args: Args, env=None) -> pathlib.Path:
                 obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, explored))
                 ep_len += 1
                 ended = done.float()
-                step_sums += torch.stack([(alpha_2 - alpha_1).pow(2).mean(), info["metrics"]["gt_err_m"].nanmean(),
-                                          use_teacher.float().mean()])
-                episode_sums += torch.stack([ended.sum(), (ep_len * ended).sum(),
-                                             (info["time_out"].float() * ended).sum()])
+                for k, v in (("action_mse", (alpha_2 - alpha_1).pow(2).mean()),
+                             ("gt_err_m", info["metrics"]["gt_err_m"].nanmean()),  # nanmean: a blown-up env is NaN
+                             ("teacher_fraction", use_teacher.float().mean())):
+                    step_sums[k] += v
+                for k, v in (("episodes", ended), ("length", ep_len * ended),
+                             ("successes", info["time_out"].float() * ended)):
+                    episode_sums[k] += v.sum()
                 ep_len *= 1.0 - ended
             global_step += per_iteration
             collected += 1
@@ -411,28 +414,31 @@ def train(args: Args, env=None) -> pathlib.Path:
             rollout = {k: v[oldest:oldest + T * n].view(T, n, *v.shape[1:])[::4] for k, v in data_obs.items()}
             policy.actor.update_norms(rollout)
 
-            # logging: one host read (means over the ranks, episode sums over all)
-            totals = torch.cat([episode_sums, env.nan_resets.float()[None]])
+            # logging: one host read (means over the ranks, episode sums over all of them)
+            totals = {**episode_sums, "nan_resets": env.nan_resets}
+            mean_t = torch.stack(list(step_sums.values())) / T
+            total_t = torch.stack([torch.as_tensor(v, device=device).float() for v in totals.values()])
             if world > 1:
-                dist.all_reduce(step_sums)
-                dist.all_reduce(totals)
-            (action_mse, gt_err_m, teacher_fraction), (episodes, *ep, nan_resets) = ((step_sums / T / world).tolist(),
-                                                                                     totals.tolist())
-            length, success = (x / episodes if episodes else float("nan") for x in ep)
-            scalars = {"charts/action_mse": action_mse, "charts/success_rate": success,
-                       "charts/episode_length": length, "charts/gt_err_mm": 1000 * gt_err_m, "charts/beta": beta,
-                       "charts/teacher_action_fraction": teacher_fraction, "charts/nan_resets": nan_resets,
+                dist.all_reduce(mean_t)
+                dist.all_reduce(total_t)
+            mean, total = dict(zip(step_sums, (mean_t / world).tolist())), dict(zip(totals, total_t.tolist()))
+            per_episode = {k: total[k] / total["episodes"] if total["episodes"] else float("nan")
+                           for k in ("length", "successes")}
+            sps = (global_step - start_step) / (time.time() - start_time)
+            scalars = {"charts/action_mse": mean["action_mse"], "charts/success_rate": per_episode["successes"],
+                       "charts/episode_length": per_episode["length"], "charts/gt_err_mm": 1000 * mean["gt_err_m"],
+                       "charts/beta": beta, "charts/teacher_action_fraction": mean["teacher_fraction"],
+                       "charts/nan_resets": total["nan_resets"], "charts/SPS": sps, "iteration": iteration,
                        "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1],
                        "losses/lr": optimizer.param_groups[0]["lr"]}
-            sps = (global_step - start_step) / (time.time() - start_time)
-            scalars.update({"charts/SPS": sps, "iteration": iteration})
             finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}
             if writer is not None:
                 for k, v in scalars.items():
                     writer.add_scalar(k, v, global_step)
                 print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | "
-                      f"action mse {action_mse:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | success "
-                      f"{success:.2f} | g-mpjpe {1000 * gt_err_m:.0f} mm | beta {beta:.2f} | ETA "
+                      f"action mse {mean['action_mse']:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | "
+                      f"success {per_episode['successes']:.2f} | g-mpjpe {1000 * mean['gt_err_m']:.0f} mm | beta "
+                      f"{beta:.2f} | ETA "
                       f"{(args.total_env_steps - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
             if iteration % args.checkpoint_every == 0:
                 save(finished)

@@ -474,9 +474,9 @@ def main(args: Args) -> pathlib.Path:
             if stop.item():
                 break
             iteration += 1
-            # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps or episodes
-            step_sums = torch.zeros(2 + len(envs.REWARD_COEFFS), device=device)  # gt_err_m, mpjpe_m, reward terms
-            episode_sums = torch.zeros(4, device=device)  # episodes, return, length, successes
+            # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps, over episodes
+            step_sums = dict.fromkeys(("gt_err_m", "mpjpe_m", *envs.REWARD_COEFFS), 0.0)
+            episode_sums = dict.fromkeys(("episodes", "return", "length", "successes"), 0.0)
             agent.eval()
             for step in range(T):
                 for k in TEACHER_OBS:
@@ -493,12 +493,12 @@ def main(args: Args) -> pathlib.Path:
                 rewards[step], dones[step], time_outs[step] = reward, done.float(), info["time_out"].float()
                 ep_return += reward
                 ep_len += 1
-                metrics, terms = info["metrics"], info["reward_terms"]  # nanmean: a blown-up env is NaN
-                step_sums += torch.stack([metrics["gt_err_m"].nanmean(), metrics["mpjpe_m"].nanmean(),
-                                          *(terms[k].nanmean() for k in envs.REWARD_COEFFS)])
+                for k in step_sums:  # nanmean: a blown-up env is NaN
+                    step_sums[k] += (info["reward_terms"] if k in envs.REWARD_COEFFS else info["metrics"])[k].nanmean()
                 ended = done.float()
-                episode_sums += torch.stack([ended.sum(), (ep_return * ended).sum(), (ep_len * ended).sum(),
-                                             (info["time_out"].float() * ended).sum()])
+                for k, v in (("episodes", ended), ("return", ep_return * ended), ("length", ep_len * ended),
+                             ("successes", info["time_out"].float() * ended)):
+                    episode_sums[k] += v.sum()
                 ep_return *= 1.0 - ended
                 ep_len *= 1.0 - ended
             global_step += per_iteration
@@ -555,36 +555,40 @@ def main(args: Args) -> pathlib.Path:
             # from every 4th rollout step (consecutive steps are nearly the same states: a quarter of the cost)
             agent.update_norms({k: v[::4] for k, v in buf_obs.items()})
 
-            # logging: one host read of everything (means over the ranks, episode sums over all)
-            on_device = {"charts/mean_reward": rewards.mean(), "losses/policy_loss": pg_loss.detach(),
-                         "losses/value_loss": v_loss.detach(), "losses/approx_kl": torch.stack(approx_kls).mean(),
-                         "losses/clipfrac": torch.stack(clipfracs).mean(),
-                         "losses/explained_variance": 1 - (b_returns - b_values).var() / b_returns.var(),
-                         **{f"dr/{k}": v.float().mean() for k, v in env.psi.items()}}
-            means = torch.cat([torch.stack(list(on_device.values())).float(), step_sums / T])
-            totals = torch.cat([episode_sums, env.nan_resets.float()[None]])
+            # logging: one host read of everything (means over the ranks, episode sums over all of them)
+            means = {"mean_reward": rewards.mean(), "policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
+                     "approx_kl": torch.stack(approx_kls).mean(), "clipfrac": torch.stack(clipfracs).mean(),
+                     "explained_variance": 1 - (b_returns - b_values).var() / b_returns.var(),
+                     **{k: v / T for k, v in step_sums.items()}, **{k: v.float().mean() for k, v in env.psi.items()}}
+            totals = {**episode_sums, "nan_resets": env.nan_resets}
+            mean_t = torch.stack([torch.as_tensor(v, device=device).float() for v in means.values()])
+            total_t = torch.stack([torch.as_tensor(v, device=device).float() for v in totals.values()])
             if world > 1:
-                dist.all_reduce(means)
-                dist.all_reduce(totals)
-            host = (means / world).tolist() + totals.tolist()
-            scalars = dict(zip(on_device, host))
-            (gt_err_m, mpjpe_m, *terms), (episodes, *ep, nan_resets) = host[len(on_device):-5], host[-5:]
-            ep_return_mean, ep_len_mean, success = (x / episodes if episodes else float("nan") for x in ep)
+                dist.all_reduce(mean_t)
+                dist.all_reduce(total_t)
+            mean, total = dict(zip(means, (mean_t / world).tolist())), dict(zip(totals, total_t.tolist()))
+            per_episode = {k: total[k] / total["episodes"] if total["episodes"] else float("nan")
+                           for k in ("return", "length", "successes")}
             sps = (global_step - start_step) / (time.time() - start_time)
-            scalars.update({"charts/episode_return": ep_return_mean, "charts/episode_length": ep_len_mean,
-                            "charts/success_rate": success, "charts/gt_err_mm": 1000 * gt_err_m,
-                            "charts/mpjpe_mm": 1000 * mpjpe_m, "charts/nan_resets": nan_resets, "charts/SPS": sps,
-                            "charts/sim_time_fraction": sim_time / (time.time() - start_time),
-                            "losses/actor_lr": actor_opt.param_groups[0]["lr"], "iteration": iteration,
-                            **{f"rewards/{k}": v for k, v in zip(envs.REWARD_COEFFS, terms)}})
+            scalars = {"charts/mean_reward": mean["mean_reward"], "charts/episode_return": per_episode["return"],
+                       "charts/episode_length": per_episode["length"], "charts/success_rate": per_episode["successes"],
+                       "charts/gt_err_mm": 1000 * mean["gt_err_m"], "charts/mpjpe_mm": 1000 * mean["mpjpe_m"],
+                       "charts/nan_resets": total["nan_resets"], "charts/SPS": sps, "iteration": iteration,
+                       "charts/sim_time_fraction": sim_time / (time.time() - start_time),
+                       "losses/actor_lr": actor_opt.param_groups[0]["lr"],
+                       **{f"losses/{k}": mean[k] for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac",
+                                                           "explained_variance")},
+                       **{f"rewards/{k}": mean[k] for k in envs.REWARD_COEFFS},
+                       **{f"dr/{k}": mean[k] for k in env.psi}}
             finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}
             if writer is not None:
                 for k, v in scalars.items():
                     writer.add_scalar(k, v, global_step)
                 print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | "
-                      f"reward {scalars['charts/mean_reward']:.3f} | success {success:.2f} | g-mpjpe "
-                      f"{1000 * gt_err_m:.0f} mm | kl {scalars['losses/approx_kl']:.4f} | nan resets {nan_resets:.0f} "
-                      f"| ETA {(args.total_env_steps - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
+                      f"reward {mean['mean_reward']:.3f} | success {per_episode['successes']:.2f} | g-mpjpe "
+                      f"{1000 * mean['gt_err_m']:.0f} mm | kl {mean['approx_kl']:.4f} | nan resets "
+                      f"{total['nan_resets']:.0f} | ETA "
+                      f"{(args.total_env_steps - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
             if iteration % args.checkpoint_every == 0:
                 save(finished)
     except BaseException:  # a crash still leaves the last whole iteration on disk (unless the weights went bad)
