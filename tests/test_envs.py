@@ -1,6 +1,8 @@
 """envs.py on every engine: reset, kinematic replay, domain randomization, termination, observations, NaN safety.
 
 Each engine's scene is built once per module (Genesis ~50 s cold compile, ~8 s warm; Isaac Lab ~20 s)."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -282,6 +284,17 @@ def test_nan_envs_are_reset_and_counted(env):
         env.sim.nan_envs = is_nan
     assert done[3] and info["nan"][3] and info["nan_resets"] >= 1 and reward[3] == 0
     assert env.step_count[3] == 0  # it starts a new episode
+
+
+def test_the_env_counts_its_physics_and_dr_write_time(env):
+    """`python envs.py bench` reads these counters (no patching): a control step is DECIMATION physics steps, a DR
+    reset writes psi; both take host time, and less than the whole step."""
+    obs = env.reset()
+    physics_s, dr_write_s, start = env.physics_s, env.dr_write_s, time.perf_counter()
+    env.reset(torch.tensor([0]))
+    env.step(obs["ref_dof_pos"])
+    wall_s = time.perf_counter() - start
+    assert 0 < env.physics_s - physics_s < wall_s and 0 < env.dr_write_s - dr_write_s < wall_s
 
 
 def test_joint_and_body_order_is_mujoco_order(env):
