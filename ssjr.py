@@ -830,7 +830,7 @@ def load_packet(path: str | os.PathLike) -> dict:
     kind = str(raw.get("kind", "robot"))
     missing = [k for k in (HUMAN_KEYS if kind == "human_keypoints" else PACKET_KEYS) if k not in raw]
     if missing:
-        raise InputError(path, f"not an SSJR packet: missing {missing}")
+        raise InputError(path, f"not an SSJR packet: missing {missing} (re-convert it: python ssjr.py convert)")
     def plain(v: np.ndarray):  # scalars -> float / str, name arrays -> lists of str, the rest stays an array
         return (float(v) if v.dtype.kind == "f" else str(v)) if v.ndim == 0 else \
             v.tolist() if v.dtype.kind == "U" else v

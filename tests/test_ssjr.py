@@ -462,6 +462,11 @@ def test_load_packet_rejects_non_packets(tmp_path):
     (tmp_path / "y.npz").write_bytes(b"garbage")
     with pytest.raises(ssjr.InputError, match="cannot read packet"):
         ssjr.load_packet(tmp_path / "y.npz")
+    # a keypoint command from before the stance reference was part of the packet
+    old = {k: np.zeros((3, 11, 3)) if k == "keypoints_w" else np.array("x") for k in ssjr.HUMAN_KEYS[:6]}
+    np.savez(tmp_path / "old.npz", **{**old, "kind": np.array("human_keypoints")})
+    with pytest.raises(ssjr.InputError, match=r"missing \['body_pos_w'.*re-convert"):
+        ssjr.load_packet(tmp_path / "old.npz")
 
 
 def test_cli_prints_one_line_without_traceback(tmp_path):
