@@ -140,7 +140,7 @@ class DR:
 
     def sensor_std(self) -> torch.Tensor:
         """Noise std of each field of s [64]: dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
-        return torch.tensor([self.noise_dof_pos_rad] * ssjr.NUM_DOF + [self.noise_dof_vel_rad_s] * ssjr.NUM_DOF
+        return torch.tensor([self.noise_dof_pos_rad] * NUM_DOF + [self.noise_dof_vel_rad_s] * NUM_DOF
                             + [self.noise_ang_vel_rad_s] * 3 + [self.noise_gravity] * 3)
 
 
@@ -325,8 +325,8 @@ class GenesisSim:
         self.feet = [self.links[ssjr.BODY_NAMES.index(f)] for f in FEET]
         self.default_body_mass_kg = self._t(self.robot.get_links_mass(self.links))
         self.default_torso_com = self._t(self.robot.get_links_COM([self.torso]))[:, 0]
-        self.robot.set_dofs_kp(torch.zeros(num_envs, ssjr.NUM_DOF), self.dofs)
-        self.robot.set_dofs_kv(torch.zeros(num_envs, ssjr.NUM_DOF), self.dofs)
+        self.robot.set_dofs_kp(torch.zeros(num_envs, NUM_DOF), self.dofs)
+        self.robot.set_dofs_kv(torch.zeros(num_envs, NUM_DOF), self.dofs)
         from genesis.utils.array_class import ErrorCode
         from genesis.utils.misc import qd_to_torch
         self._errno = qd_to_torch(self.scene.rigid_solver._errno, copy=False)  # the per-env error flags, a live view
@@ -941,7 +941,7 @@ class TrackingEnv:
         if body:
             self.sim.set_body_mass(ids, self.default_mass[ids] * psi["mass_scale"][:, None])
             self.sim.set_com_offset(ids, torch.stack([psi[f"com_offset_{a}_m"] for a in "xyz"], -1))
-            js = psi["joint_scale"][:, None].expand(len(ids), ssjr.NUM_DOF)
+            js = psi["joint_scale"][:, None].expand(len(ids), NUM_DOF)
             self.sim.set_joint_params(ids, ARMATURE * js, JOINT_DAMPING * js, JOINT_FRICTION * js)
         self.sim.set_friction(ids, psi["friction"])
         self.sim.set_gravity(ids, torch.nn.functional.pad(-psi["gravity_mps2"][:, None], (2, 0)))
@@ -1161,14 +1161,17 @@ def bench_sim(args: Bench, sim: str) -> float:
                    performance_mode=args.performance_mode)
     obs, build_s, n = [env.reset()], time.time() - t0, args.num_envs
 
-    def rate(reset_one: bool, steps: int) -> tuple[float, float, float]:
-        """(env-steps/s, physics share, DR-write share) of `steps` env steps, after 10 warm-up steps."""
-        for i in range(10 + steps):
-            if i == 10:
-                start, physics_s, dr_write_s = time.perf_counter(), env.physics_s, env.dr_write_s
+    def run(reset_one: bool, steps: int):
+        for _ in range(steps):
             if reset_one:
                 env.reset(torch.randint(n, (1,), device=env.device))
             obs[0] = env.step(obs[0]["ref_dof_pos"])[0]
+
+    def rate(reset_one: bool, steps: int) -> tuple[float, float, float]:
+        """(env-steps/s, physics share, DR-write share) of `steps` env steps, after 10 warm-up steps."""
+        run(reset_one, 10)
+        start, physics_s, dr_write_s = time.perf_counter(), env.physics_s, env.dr_write_s
+        run(reset_one, steps)
         wall_s = time.perf_counter() - start
         return n * steps / wall_s, (env.physics_s - physics_s) / wall_s, (env.dr_write_s - dr_write_s) / wall_s
 
