@@ -8,7 +8,8 @@ The task (reference motion, observations, rewards, termination, episode-level do
 once, in batched torch, above a thin per-engine adapter (`GenesisSim`, `IsaacLabSim`, `MuJoCoSim`) that only steps
 physics, applies joint torques and reads/writes state. Physics runs at 200 Hz, the policy at 50 Hz (decimation 4); the
 PD law tau = kp * (alpha - q) - kd * qdot, the delay line and the gain randomization are computed here at every physics
-step, identically on every engine. On a CPU an engine steps on one core: the trainers scale out with torchrun.
+step, identically on every engine. On a CPU, Genesis and Isaac Lab step on one core, MuJoCo on this process's
+share of the cores (slices of its envs on threads); the trainers scale out with torchrun.
 Isaac Lab 3.0 steps MuJoCo-Warp: MuJoCo and Isaac Lab are near twins, Genesis is the different physics (the real
 zero-shot test). What differs (the same MJCF, gains, armature, friction and floor everywhere):
 | engine    | integrator               | constraint solver (Newton)                  | contact time constant      |
@@ -38,6 +39,7 @@ Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading fr
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import hashlib
@@ -642,8 +644,9 @@ def mujoco_scene_xml() -> str:
 
 
 class MuJoCoSim:
-    """MuJoCo on the CPU: one MjModel and MjData per env (each env's DR writes go to its own model), stepped in a loop
-    on one core (the trainers scale out with torchrun). The scene is SCENE_XML, plus a heightfield for non-flat terrain.
+    """MuJoCo on the CPU: one MjModel and MjData per env (each env's DR writes go to its own model), stepped in loops
+    over slices of the envs on this process's share of the cores (all of them in a plain run, one each for two torchrun
+    ranks on two cores; MuJoCo releases the GIL). The scene is SCENE_XML, plus a heightfield for non-flat terrain.
     Each step is mj_step2 then mj_step1, so positions, velocities and kinematics are always those of the current state.
     MuJoCo resets an env whose state goes bad (non-finite or huge accelerations, mjWARN_BADQACC...) by itself, with a
     warning: those envs are reported by nan_envs() like the other engines' blow-ups."""
@@ -684,6 +687,9 @@ class MuJoCoSim:
         self._blown_up = np.zeros(num_envs, bool)
         for m, d in zip(self.models, self.datas):
             mujoco.mj_step1(m, d)
+        threads = max(1, min(num_envs, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        self._slices = [range(k * num_envs // threads, (k + 1) * num_envs // threads) for k in range(threads)]
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
 
     def _t(self, x: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(x), dtype=torch.float32, device=self.device)
@@ -700,10 +706,16 @@ class MuJoCoSim:
 
     def step(self, tau_nm: torch.Tensor) -> None:
         tau = tau_nm.detach().cpu().double().numpy()
-        for i, (m, d) in enumerate(zip(self.models, self.datas)):
-            d.qfrc_applied[6:] = tau[i]
-            self.mj.mj_step2(m, d)
-            self._refresh(i)
+
+        def step_slice(envs: range) -> None:
+            for i in envs:
+                self.datas[i].qfrc_applied[6:] = tau[i]
+                self.mj.mj_step2(self.models[i], self.datas[i])
+                self._refresh(i)
+        if self._pool is None:
+            step_slice(self._slices[0])
+        else:
+            list(self._pool.map(step_slice, self._slices))
 
     def dof_state(self):
         return (self._t(np.stack([d.qpos[7:] for d in self.datas])),
@@ -787,7 +799,8 @@ class MuJoCoSim:
         return torch.as_tensor(blown_up, device=self.device)
 
     def close(self) -> None:
-        """Nothing to release."""
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 # --- The tracking task, written once for every engine.

@@ -486,3 +486,20 @@ def test_the_terrain_mix_heightfield_builds_and_steps(train_packet, sim):
 def test_the_shipped_mujoco_scene_is_the_g1_model_with_our_joint_constants():
     """g1_scene.xml (loaded by the MuJoCo env and by deploy.py) is what `python envs.py scene` writes today."""
     assert envs.SCENE_XML.read_text() == envs.mujoco_scene_xml()
+
+
+def test_mujoco_threads_step_the_same_numbers_as_one_loop(train_packet, monkeypatch):
+    """The MuJoCo env steps slices of its envs on threads (one per core of this process): the same states, bit for bit,
+    as one loop over all of them, DR and resets included."""
+    def rollout(cores: int):
+        monkeypatch.setattr(envs.os, "sched_getaffinity", lambda pid: set(range(cores)))
+        env = envs.make_env("mujoco", 6, "cpu", train_packet, dr=envs.DR(), seed=0)
+        assert len(env.sim._slices) == cores
+        obs, resets = env.reset(), 0
+        for _ in range(40):
+            obs, reward, done, info = env.step(obs["ref_dof_pos"] + 0.5)  # off the reference: they fall and reset
+            resets += int(done.sum())
+        env.close()
+        return obs, resets
+    (one, resets), (three, _) = rollout(1), rollout(3)
+    assert resets > 0 and all(torch.equal(one[k], three[k]) for k in one)
