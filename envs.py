@@ -37,8 +37,6 @@ Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading fr
 | student_keypoints | [12, J*3]  | student, SSJR keypoints Y at t-7..t+4, relative to the robot root (heading)     |
 | critic            | [1235]     | privileged: proprio_t, future at t+1, terrain, psi (10)                         |
 """
-from __future__ import annotations
-
 import concurrent.futures
 import contextlib
 import copy
@@ -72,11 +70,10 @@ START_MODES = ("random", "frame0")
 SIMS = ("isaaclab", "genesis", "mujoco")  # the engines (adapters below)
 START_MARGIN_S = 1.0  # episodes start at least this long before their clip ends (shorter clips: at frame 0)
 
-# PD gains (kp N m/rad, kd N m s/rad) and effort limits (N m), per joint group. Paper: hips 100, knees 200, waist 400,
+# joint-name fragment: (PD gains kp N m/rad, kd N m s/rad, effort limit N m). Paper: hips 100, knees 200, waist 400,
 # shoulders 60-90, damping 0.1-5; the rest follows the authors' earlier code (ankles 20/0.2, wrists 4/0.2).
 # Effort limits are the G1 motors' (7520-14: 88, 7520-22: 139, 5020: 25, 2x5020: 50, 4010: 5).
-GAINS = {  # joint-name fragment: (kp, kd, effort limit)
-    "hip_pitch": (100.0, 2.5, 88.0), "hip_roll": (100.0, 2.5, 139.0), "hip_yaw": (100.0, 2.5, 88.0),
+GAINS = {"hip_pitch": (100.0, 2.5, 88.0), "hip_roll": (100.0, 2.5, 139.0), "hip_yaw": (100.0, 2.5, 88.0),
     "knee": (200.0, 5.0, 139.0), "ankle_pitch": (20.0, 0.2, 50.0), "ankle_roll": (20.0, 0.2, 50.0),
     "waist_yaw": (400.0, 5.0, 88.0), "waist_roll": (400.0, 5.0, 50.0), "waist_pitch": (400.0, 5.0, 50.0),
     "shoulder_pitch": (90.0, 2.0, 25.0), "shoulder_roll": (60.0, 2.0, 25.0), "shoulder_yaw": (20.0, 1.0, 25.0),
@@ -94,6 +91,10 @@ CONTACT_TIMECONST_S = 0.02
 # Self-collision off in both engines: faster stepping, and retargeted dance clips often pass a hand through the torso,
 # which a colliding robot cannot track anyway.
 SELF_COLLISION = False
+# The MuJoCo scene that envs.py and deploy.py both load: shipped, so a deployment steps the physics training saw.
+SCENE_XML = pathlib.Path(__file__).resolve().parent / "g1_scene.xml"
+IMU_SENSORS = ("imu_ang_vel", "imu_upvector")  # the pelvis IMU: gyro (pelvis frame), world z axis in the pelvis frame
+_XYZW_FROM_WXYZ, _WXYZ_FROM_XYZW = [1, 2, 3, 0], [3, 0, 1, 2]  # quaternion component orders: Isaac Lab's xyzw, ours
 
 
 def joint_table(device="cpu"):
@@ -152,8 +153,7 @@ BODY_PSI_KEYS = ("mass_scale", "joint_scale", "com_offset_x_m", "com_offset_y_m"
 
 
 def uniform(lo_hi: tuple[float, float], n: int, gen: torch.Generator, device) -> torch.Tensor:
-    """n draws of U[lo, hi]."""
-    lo, hi = lo_hi
+    lo, hi = lo_hi  # n draws of U[lo, hi]
     return lo + (hi - lo) * torch.rand(n, generator=gen, device=device)
 
 
@@ -162,18 +162,17 @@ def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str,
     if dr is None:  # scales 1, friction 1, no delay, no CoM offset, earth gravity
         nominal = dict(delay_steps=0.0, gravity_mps2=9.81, com_offset_x_m=0.0, com_offset_y_m=0.0, com_offset_z_m=0.0)
         return {k: torch.full((n,), nominal.get(k, 1.0), device=device) for k in PSI_KEYS}
-    lo, hi = dr.delay_steps
-    psi = {"delay_steps": torch.randint(lo, hi + 1, (n,), generator=gen, device=device).float()}
-    for k in ("mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction"):
-        psi[k] = uniform(getattr(dr, k), n, gen, device)
-    for a in "xyz":
-        psi[f"com_offset_{a}_m"] = uniform((-dr.com_offset_m, dr.com_offset_m), n, gen, device)
-    return psi
+    lo, hi = dr.delay_steps  # then the scales, gravity and friction, then the CoM offset (PSI_KEYS order)
+    return {"delay_steps": torch.randint(lo, hi + 1, (n,), generator=gen, device=device).float(),
+            **{k: uniform(getattr(dr, k), n, gen, device) for k in PSI_KEYS[1:7]},
+            **{f"com_offset_{a}_m": uniform((-dr.com_offset_m, dr.com_offset_m), n, gen, device) for a in "xyz"}}
 
 
 # --- Terrain: one heightfield of square tiles shared by all envs; each env spawns on a tile drawn from the mix.
 TERRAIN_TYPES = ("flat", "smooth_slope", "rough_slope")
 TERRAIN_MIX = {"flat": 0.5, "smooth_slope": 0.25, "rough_slope": 0.25}  # paper's training mix
+SCAN_XY_M = torch.stack(torch.meshgrid(torch.linspace(-0.5, 0.5, 11), torch.linspace(-0.5, 0.5, 11),
+                                       indexing="ij"), -1).reshape(-1, 2)  # g_t sample points in the heading frame
 
 
 @dataclass
@@ -184,7 +183,6 @@ class Terrain:
     origin_m: tuple[float, float]  # world xy of heights_m[0, 0]
     tile_types: list[str]
     spawn_xy_m: np.ndarray  # [tiles, 2]
-
     is_flat = property(lambda self: not np.any(self.heights_m))
 
     def height_at(self, xy: torch.Tensor) -> torch.Tensor:
@@ -192,9 +190,8 @@ class Terrain:
         if self.is_flat:
             return torch.zeros(xy.shape[:-1], device=xy.device)
         cache = self.__dict__.setdefault("_heights", {})  # the heightfield, copied once to each device
-        if xy.device not in cache:
-            cache[xy.device] = torch.as_tensor(self.heights_m, device=xy.device)
-        h = cache[xy.device]
+        if (h := cache.get(xy.device)) is None:
+            h = cache[xy.device] = torch.as_tensor(self.heights_m, device=xy.device)
         g = (xy - torch.tensor(self.origin_m, device=xy.device)) / self.cell_m
         g0 = g.floor().long()
         fx, fy = (g - g0).unbind(-1)
@@ -206,31 +203,22 @@ class Terrain:
 
 
 def make_terrain(kind: str, seed: int = 0, tile_m: float = 8.0, cols: int = 4, cell_m: float = 0.1) -> Terrain:
-    """kind: flat | smooth_slope | rough_slope | mix. Slope tiles are pyramids (edges at 0 m, so tiles join without
-    steps) whose faces get steeper by column (slope 0.1 .. 0.4); rough tiles add +-3 cm uniform noise. Robots spawn
-    half-way up a face."""
+    """kind: TERRAIN_TYPES or mix. Slope tiles are pyramids (edges at 0 m, so tiles join without steps) whose faces
+    get steeper by column (slope 0.1 .. 0.4); rough tiles add +-3 cm uniform noise. Robots spawn half-way up a face."""
     if kind not in (*TERRAIN_TYPES, "mix"):
         raise InputError("--terrain", f"unknown terrain '{kind}': choose one of {TERRAIN_TYPES + ('mix',)}")
     rows = ["flat", "flat", "smooth_slope", "rough_slope"] if kind == "mix" else [kind]
-    rng = np.random.default_rng(seed)
-    n = int(round(tile_m / cell_m))
+    rng, n = np.random.default_rng(seed), int(round(tile_m / cell_m))  # n: cells per tile side
     heights = np.zeros((len(rows) * n, cols * n), np.float32)
     u = (np.arange(n) + 0.5) / n - 0.5  # tile-local coordinate in [-0.5, 0.5)
     dist_to_edge = (0.5 - np.maximum(np.abs(u)[:, None], np.abs(u)[None, :])) * tile_m
-    for r, t in enumerate(rows):
-        for c in range(cols):
-            if t != "flat":
-                tile = (0.1 * (c + 1)) * dist_to_edge
-                heights[r * n:(r + 1) * n, c * n:(c + 1) * n] = (
-                    tile + rng.uniform(-0.03, 0.03, tile.shape) if t == "rough_slope" else tile)
+    for r, c in np.ndindex(len(rows), cols):  # flat tiles: slope 0
+        noise = rng.uniform(-0.03, 0.03, (n, n)) if rows[r] == "rough_slope" else 0.0
+        heights[r * n:(r + 1) * n, c * n:(c + 1) * n] = (rows[r] != "flat") * (0.1 * (c + 1)) * dist_to_edge + noise
     origin = (-len(rows) * tile_m / 2, -cols * tile_m / 2)
     spawn = [((r + 0.5) * tile_m - tile_m / 4, (c + 0.5) * tile_m) for r in range(len(rows)) for c in range(cols)]
     spawn_xy = np.asarray(spawn, np.float32) + np.asarray(origin, np.float32)
     return Terrain(heights, cell_m, origin, [t for t in rows for _ in range(cols)], spawn_xy)
-
-
-SCAN_XY_M = torch.stack(torch.meshgrid(torch.linspace(-0.5, 0.5, 11), torch.linspace(-0.5, 0.5, 11),
-                                       indexing="ij"), -1).reshape(-1, 2)  # g_t sample points in the heading frame
 
 
 # --- Motion library: SSJR packets (30 fps), resampled once to the 50 Hz control ticks the env reads.
@@ -246,8 +234,7 @@ class MotionLib:
         packets = [ssjr.load_packet(p) for p in packet_paths]  # a keypoint command carries a stance reference too
         self.keypoints_only = torch.tensor([p["kind"] == "human_keypoints" for p in packets], device=device)
         self.length_s = torch.tensor([(len(p["dof_pos"]) - 1) / float(p["fps"]) for p in packets], device=device)
-        # the start ticks of each clip: 0 .. last_start_tick
-        self.last_start_tick = ((self.length_s - START_MARGIN_S).clamp(min=0.0) / dt_s + 1e-4).long()
+        self.last_start_tick = ((self.length_s - START_MARGIN_S).clamp(min=0.0) / dt_s + 1e-4).long()  # starts: 0..this
         # the control-tick table: tick k of a clip is its state at k * dt_s, k = 0 .. num_ticks - 1 (<= the clip end)
         frames = [{k: torch.as_tensor(p[v], dtype=torch.float32) for k, v in PACKET_FIELDS.items()} for p in packets]
         ticks = [ssjr.resample(f, float(p["fps"]), 1.0 / dt_s, ("body_quat",)) for f, p in zip(frames, packets)]
@@ -270,22 +257,25 @@ def resolve_motions(motions) -> list[pathlib.Path]:
     if isinstance(motions, (list, tuple)):
         return [pathlib.Path(m) for m in motions]
     path = pathlib.Path(motions)
-    if path.is_dir():
-        paths = sorted(path.glob("*.npz"))
-        if not paths:
-            raise InputError(path, "no SSJR packets (*.npz); convert motions with `python ssjr.py convert`")
-        return paths
+    if path.is_dir() and not any(path.glob("*.npz")):
+        raise InputError(path, "no SSJR packets (*.npz); convert motions with `python ssjr.py convert`")
     if not path.exists():
         raise InputError(path, "no such motion packet or folder")
-    return [path]
+    return sorted(path.glob("*.npz")) if path.is_dir() else [path]
 
 
 # --- Engine adapters: step physics with given joint torques, read and write state. Nothing task-specific.
-class GenesisSim:
-    """Genesis (gs.Scene + the G1 MJCF entity). CPU here, CUDA where available; every DR term batched per env."""
-
-    performance_mode = False  # the mode gs.init ran with in this process (one per process)
+class EngineSim:
+    """What the adapters share: states in MuJoCo joint and body order, as float32 tensors on the env's device."""
     dof_names, body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
+
+    def _t(self, x) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.float32, device=self.device)
+
+
+class GenesisSim(EngineSim):
+    """Genesis (gs.Scene + the G1 MJCF entity). CPU here, CUDA where available; every DR term batched per env."""
+    performance_mode = False  # the mode gs.init ran with in this process (one per process)
 
     def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S,
                  performance_mode: bool = False):
@@ -308,12 +298,10 @@ class GenesisSim:
         elif GenesisSim.performance_mode != performance_mode:
             raise ValueError(f"Genesis runs with performance_mode={GenesisSim.performance_mode} in this process")
         self.num_envs, self.device = num_envs, torch.device(device)
-        self.scene = gs.Scene(
-            sim_options=gs.options.SimOptions(dt=dt_s, substeps=1),
-            rigid_options=gs.options.RigidOptions(batch_links_info=True, batch_dofs_info=True,
-                                                  batch_joints_info=True, enable_self_collision=SELF_COLLISION,
-                                                  constraint_timeconst=CONTACT_TIMECONST_S),
-            show_viewer=False)
+        rigid = gs.options.RigidOptions(batch_links_info=True, batch_dofs_info=True, batch_joints_info=True,
+                                        enable_self_collision=SELF_COLLISION, constraint_timeconst=CONTACT_TIMECONST_S)
+        self.scene = gs.Scene(sim_options=gs.options.SimOptions(dt=dt_s, substeps=1), rigid_options=rigid,
+                              show_viewer=False)
         ground = gs.morphs.Plane() if terrain.is_flat else gs.morphs.Terrain(
             height_field=terrain.heights_m, horizontal_scale=terrain.cell_m, vertical_scale=1.0,
             pos=(*terrain.origin_m, 0.0))
@@ -335,9 +323,6 @@ class GenesisSim:
         self._nan_bits = ErrorCode.INVALID_CONTACT_NAN | ErrorCode.INVALID_FORCE_NAN | ErrorCode.INVALID_ACC_NAN
         self._blown_up = torch.zeros(num_envs, dtype=torch.bool, device=self.device)
 
-    def _t(self, x):
-        return torch.as_tensor(x, device=self.device, dtype=torch.float32)
-
     def step(self, tau_nm: torch.Tensor):
         self.robot.control_dofs_force(tau_nm, self.dofs)
         self.scene.step()
@@ -355,14 +340,12 @@ class GenesisSim:
 
     def body_state(self):
         r, idx = self.robot, self.links
-        return (self._t(r.get_links_pos(idx)), self._t(r.get_links_quat(idx)), self._t(r.get_links_vel(idx)),
-                self._t(r.get_links_ang(idx)))
+        return tuple(self._t(get(idx)) for get in (r.get_links_pos, r.get_links_quat, r.get_links_vel, r.get_links_ang))
 
     def write_state(self, env_ids, root_pos, root_quat, root_lin_vel, root_ang_vel, q, qd):
         qs = [0, 1, 2, 3, 4, 5, 6] + [d + 1 for d in self.dofs]  # free joint: 3 pos + 4 quat in qpos, 6 dofs in qvel
         self.robot.set_qpos(torch.cat([root_pos, root_quat, q], -1), qs, envs_idx=env_ids, zero_velocity=True)
-        # free joint dofs: linear velocity in the world frame, angular velocity in the root's own frame (as MuJoCo)
-        ang_vel_b = quat_apply(quat_conj(root_quat), root_ang_vel)
+        ang_vel_b = quat_apply(quat_conj(root_quat), root_ang_vel)  # free joint: ang vel in the root frame (as MuJoCo)
         self.robot.set_dofs_velocity(torch.cat([root_lin_vel, ang_vel_b, qd], -1), [0, 1, 2, 3, 4, 5] + self.dofs,
                                      envs_idx=env_ids)
 
@@ -378,8 +361,7 @@ class GenesisSim:
         self.scene.sim.rigid_solver.set_links_mass(mass_kg, self.links_global, envs_idx=env_ids, scale_inertia=True)
 
     def set_com_offset(self, env_ids, offset_m):
-        com = self.default_torso_com[env_ids] + offset_m
-        self.robot.set_links_COM(com[:, None], [self.torso], envs_idx=env_ids)
+        self.robot.set_links_COM((self.default_torso_com[env_ids] + offset_m)[:, None], [self.torso], envs_idx=env_ids)
 
     def set_friction(self, env_ids, mu):
         """Ground-foot friction: the feet's friction ratio (their geoms have friction 1, the ground 0.01)."""
@@ -397,9 +379,6 @@ class GenesisSim:
 
     def close(self):
         """Nothing to release: several Genesis scenes may live in one process."""
-
-
-_XYZW_FROM_WXYZ, _WXYZ_FROM_XYZW = [1, 2, 3, 0], [3, 0, 1, 2]
 
 
 def _g1_usd_path() -> pathlib.Path:
@@ -426,7 +405,6 @@ def _g1_usd_path() -> pathlib.Path:
 def _write_ground_usd(path: pathlib.Path, terrain) -> None:
     """The local ground: an infinite collision plane, plus a heightfield-tagged mesh for non-flat terrain."""
     from pxr import Sdf, Usd, UsdGeom, UsdPhysics
-
     stage = Usd.Stage.CreateNew(str(path))
     UsdGeom.SetStageUpAxis(stage, UsdGeom.Tokens.z)
     UsdGeom.SetStageMetersPerUnit(stage, 1.0)
@@ -454,7 +432,7 @@ def _write_ground_usd(path: pathlib.Path, terrain) -> None:
     stage.GetRootLayer().Save()
 
 
-class IsaacLabSim:
+class IsaacLabSim(EngineSim):
     """Isaac Lab 3.0, kit-less Newton/MuJoCo-Warp physics (PhysX needs Isaac Sim): the G1 USD cloned N times in one
     InteractiveScene at env spacing 0 (Newton worlds never collide) over a local ground; every joint has an implicit
     actuator with zero gains, so step(tau) is a pure torque step. One instance per process (SimulationContext is a
@@ -462,8 +440,6 @@ class IsaacLabSim:
     link-frame velocities (d/dt body_pos), not the centres of mass'; ground friction 0, so the feet's is the ground-foot
     friction (contact: max of the pair); MuJoCo's passive joint damping/frictionloss. Joints start with zero
     armature/damping/frictionloss at q = 0: call `set_joint_params` and `write_state` before stepping."""
-
-    dof_names, body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
 
     def __init__(self, num_envs: int, device: str, terrain, dt_s: float = PHYSICS_DT_S):
         import isaaclab.sim as sim_utils
@@ -475,10 +451,8 @@ class IsaacLabSim:
         from isaaclab.utils.timer import Timer
         from isaaclab_newton.physics import MJWarpSolverCfg, NewtonCfg
         from newton import ModelFlags
-
         Timer.enable_display_output = False  # "Finalize builder took: ..." at every build: not for users
         warnings.filterwarnings("ignore", "Newton shape color replacement", FutureWarning)  # Isaac Lab's own note
-
         if sim_utils.SimulationContext.instance() is not None:
             raise RuntimeError("an Isaac Lab SimulationContext already exists in this process: close() it first")
         self.num_envs, self.device, self.dt_s = num_envs, torch.device(device), dt_s
@@ -535,7 +509,6 @@ class IsaacLabSim:
         return (x if order is None else x[:, order]).contiguous()
 
     def step(self, tau_Nm: torch.Tensor) -> None:
-        """Apply joint torques [N,29] (MuJoCo order) for one physics step, then advance one step."""
         self.robot.actuators.target_command.set_effort_index(value=self._isaac(tau_Nm, self._dof_inv))
         self.robot.write_data_to_sim()
         self.sim.step(render=False)
@@ -568,12 +541,10 @@ class IsaacLabSim:
         self.robot.write_root_link_velocity_to_sim_index(root_velocity=vel, env_ids=self._ids(env_ids))
 
     def set_gravity(self, env_ids, g_w) -> None:
-        """Per-env gravity [n,3]."""
         self._gravity[torch.as_tensor(env_ids, device=self._gravity.device).long()] = g_w.to(self._gravity)
         self.sim.physics_manager.add_model_change(self._model_flags.MODEL_PROPERTIES)
 
     def set_body_mass(self, env_ids, mass_kg) -> None:
-        """Masses [n,30] (MuJoCo body order); inertias scale with the same per-body ratio."""
         ids = self._ids(env_ids)
         m = torch.empty_like(mass_kg, dtype=torch.float32, device=self.device)
         m[:, self.isaac_index_of_body] = self._isaac(mass_kg)
@@ -590,8 +561,7 @@ class IsaacLabSim:
 
     def set_friction(self, env_ids, mu) -> None:
         """Ground-foot friction coefficient [n] (written on every foot collision shape)."""
-        rows = torch.as_tensor(env_ids, device=self.device).long()
-        self._shape_mu[rows[:, None], self._foot_shapes] = self._isaac(mu)[:, None]
+        self._shape_mu[self._ids(env_ids).long()[:, None], self._foot_shapes] = self._isaac(mu)[:, None]
         self.sim.physics_manager.add_model_change(self._model_flags.SHAPE_PROPERTIES)
 
     def set_joint_params(self, env_ids, armature, damping, frictionloss) -> None:
@@ -604,22 +574,15 @@ class IsaacLabSim:
             joint_friction_coeff=self._isaac(frictionloss, self._dof_inv), env_ids=ids)
 
     def nan_envs(self) -> torch.Tensor:
-        data = self.robot.data
-        bad = ~torch.isfinite(data.joint_pos.torch).all(-1) | ~torch.isfinite(data.joint_vel.torch).all(-1)
-        bad |= ~torch.isfinite(data.root_link_pose_w.torch).all(-1) | ~torch.isfinite(data.root_com_vel_w.torch).all(-1)
-        return bad
+        data = self.robot.data  # envs with a non-finite joint or root state
+        fields = (data.joint_pos, data.joint_vel, data.root_link_pose_w, data.root_com_vel_w)
+        return ~torch.stack([torch.isfinite(f.torch).all(-1) for f in fields]).all(0)
 
     def close(self) -> None:
-        """Release the simulation so another IsaacLabSim can be built in this process."""
         self.sim.stop()
         type(self.sim).clear_instance()
         self._launch.close()
         self._tmp.cleanup()
-
-
-# The MuJoCo scene that envs.py and deploy.py both load: shipped, so a deployment steps the physics training saw.
-SCENE_XML = pathlib.Path(__file__).resolve().parent / "g1_scene.xml"
-IMU_SENSORS = ("imu_ang_vel", "imu_upvector")  # the pelvis IMU: gyro (pelvis frame), world z axis in the pelvis frame
 
 
 def mujoco_scene_xml() -> str:
@@ -643,15 +606,13 @@ def mujoco_scene_xml() -> str:
             "written by `python envs.py scene`: do not edit -->\n" + spec.to_xml())
 
 
-class MuJoCoSim:
+class MuJoCoSim(EngineSim):
     """MuJoCo on the CPU: one MjModel and MjData per env (each env's DR writes go to its own model), stepped in loops
     over slices of the envs on this process's share of the cores (all of them in a plain run, one each for two torchrun
     ranks on two cores; MuJoCo releases the GIL). The scene is SCENE_XML, plus a heightfield for non-flat terrain.
     Each step is mj_step2 then mj_step1, so positions, velocities and kinematics are always those of the current state.
     MuJoCo resets an env whose state goes bad (non-finite or huge accelerations, mjWARN_BADQACC...) by itself, with a
     warning: those envs are reported by nan_envs() like the other engines' blow-ups."""
-
-    dof_names, body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
 
     def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S):
         import mujoco
@@ -675,27 +636,19 @@ class MuJoCoSim:
         self._scratch = mujoco.MjData(base)  # for mj_setConst after body writes (it overwrites the state it is given)
         ids = {name: mujoco.mj_name2id(base, mujoco.mjtObj.mjOBJ_BODY, name) for name in ssjr.BODY_NAMES}
         self.bodies = np.array([ids[name] for name in ssjr.BODY_NAMES])
-        self.pelvis = ids["pelvis"]  # the free base and root of the robot's tree
+        self.pelvis, self.torso = ids["pelvis"], ids["torso_link"]  # pelvis: the free base, root of the robot's tree
         assert [base.joint(i).name for i in range(1, 30)] == list(ssjr.DOF_NAMES)  # qpos 7.., qvel 6.. in our order
-        self.torso = ids["torso_link"]
         self.feet = np.flatnonzero(np.isin(base.geom_bodyid, [ids[f] for f in FEET]))
         self.default_body_mass_kg = torch.tensor(base.body_mass[self.bodies], device=self.device).float().expand(
             num_envs, -1).clone()
         self._default_inertia, self._default_torso_com = base.body_inertia.copy(), base.body_ipos[self.torso].copy()
         self._bad = [getattr(mujoco.mjtWarning, f"mjWARN_BAD{x}") for x in ("QPOS", "QVEL", "QACC")]
-        self._warnings = np.zeros(num_envs, np.int64)  # the bad-state warnings counted so far, per env
-        self._blown_up = np.zeros(num_envs, bool)
+        self._warnings, self._blown_up = np.zeros(num_envs, np.int64), np.zeros(num_envs, bool)  # warnings so far
         for m, d in zip(self.models, self.datas):
             mujoco.mj_step1(m, d)
         threads = max(1, min(num_envs, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         self._slices = [range(k * num_envs // threads, (k + 1) * num_envs // threads) for k in range(threads)]
         self._pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
-
-    def _t(self, x: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(x), dtype=torch.float32, device=self.device)
-
-    def _ids(self, env_ids) -> list[int]:
-        return torch.as_tensor(env_ids).flatten().tolist()
 
     def _refresh(self, i: int) -> None:
         """Kinematics and velocities of env i's state (after a write), and a bad state caught as a blow-up."""
@@ -703,6 +656,15 @@ class MuJoCoSim:
         warnings_now = sum(self.datas[i].warning[w].number for w in self._bad)
         self._blown_up[i] |= warnings_now > self._warnings[i]
         self._warnings[i] = warnings_now
+
+    def _each(self, env_ids, masses: bool = False):
+        """(k, i) for each env i of env_ids (k: its row in the arguments); after the caller's write to env i,
+        mj_setConst if `masses` (the constraints' inverse weights depend on masses and armature), then _refresh."""
+        for k, i in enumerate(torch.as_tensor(env_ids).flatten().tolist()):
+            yield k, i
+            if masses:
+                self.mj.mj_setConst(self.models[i], self._scratch)
+            self._refresh(i)
 
     def step(self, tau_nm: torch.Tensor) -> None:
         tau = tau_nm.detach().cpu().double().numpy()
@@ -712,14 +674,10 @@ class MuJoCoSim:
                 self.datas[i].qfrc_applied[6:] = tau[i]
                 self.mj.mj_step2(self.models[i], self.datas[i])
                 self._refresh(i)
-        if self._pool is None:
-            step_slice(self._slices[0])
-        else:
-            list(self._pool.map(step_slice, self._slices))
+        list((map if self._pool is None else self._pool.map)(step_slice, self._slices))
 
     def dof_state(self):
-        return (self._t(np.stack([d.qpos[7:] for d in self.datas])),
-                self._t(np.stack([d.qvel[6:] for d in self.datas])))
+        return self._t(np.stack([d.qpos[7:] for d in self.datas])), self._t(np.stack([d.qvel[6:] for d in self.datas]))
 
     def root_state(self):
         pos, quat, lin, ang = self.body_state()
@@ -729,72 +687,53 @@ class MuJoCoSim:
         """World positions, wxyz quaternions, and velocities of the body frames' origins (d/dt body_pos, as the other
         engines): cvel holds [angular; linear at the tree's centre of mass subtree_com[root]]."""
         b = self.bodies
-        pos = np.stack([d.xpos[b] for d in self.datas])
-        cvel = np.stack([d.cvel[b] for d in self.datas])
+        pos, quat, cvel = (np.stack([getattr(d, a)[b] for d in self.datas]) for a in ("xpos", "xquat", "cvel"))
         com = np.stack([d.subtree_com[self.pelvis] for d in self.datas])
-        ang = cvel[..., :3]
-        lin = cvel[..., 3:] + np.cross(ang, pos - com[:, None])
-        return self._t(pos), self._t(np.stack([d.xquat[b] for d in self.datas])), self._t(lin), self._t(ang)
+        ang, lin = cvel[..., :3], cvel[..., 3:] + np.cross(cvel[..., :3], pos - com[:, None])
+        return self._t(pos), self._t(quat), self._t(lin), self._t(ang)
 
     def write_state(self, env_ids, root_pos, root_quat, root_lin_vel, root_ang_vel, q, qd) -> None:
         # free joint: position, wxyz quaternion; linear velocity in the world frame, angular in the root's own frame
         qpos = torch.cat([root_pos, root_quat, q], -1).cpu().double().numpy()
         qvel = torch.cat([root_lin_vel, quat_apply(quat_conj(root_quat), root_ang_vel), qd], -1).cpu().double().numpy()
-        for k, i in enumerate(self._ids(env_ids)):
+        for k, i in self._each(env_ids):
             d = self.datas[i]
             d.qpos[:], d.qvel[:], d.qacc_warmstart[:], d.qfrc_applied[:] = qpos[k], qvel[k], 0.0, 0.0
-            self._refresh(i)
 
     def set_root_velocity(self, env_ids, lin_vel_w, ang_vel_w) -> None:
         lin, ang = lin_vel_w.cpu().double().numpy(), ang_vel_w.cpu().double().numpy()
-        for k, i in enumerate(self._ids(env_ids)):
+        for k, i in self._each(env_ids):
             d = self.datas[i]
             d.qvel[:3], d.qvel[3:6] = lin[k], d.xmat[self.pelvis].reshape(3, 3).T @ ang[k]
-            self._refresh(i)
 
     def set_gravity(self, env_ids, g_w) -> None:
-        for k, i in enumerate(self._ids(env_ids)):
+        for k, i in self._each(env_ids):
             self.models[i].opt.gravity[:] = g_w[k].cpu().numpy()
-            self._model_changed(i)
-
-    def _model_changed(self, i: int, masses: bool = False) -> None:
-        """After a write to env i's model: recompute the constants that depend on masses and armature (the
-        constraints' inverse weights), and mj_step1 (gravity, mass matrix, contacts) for the next step."""
-        if masses:
-            self.mj.mj_setConst(self.models[i], self._scratch)
-        self._refresh(i)
 
     def set_body_mass(self, env_ids, mass_kg) -> None:
-        """Masses [n,30]; inertias scale with the same per-body ratio (a heavier body of the same shape)."""
         mass = mass_kg.cpu().double().numpy()
-        for k, i in enumerate(self._ids(env_ids)):
-            m = self.models[i]
-            ratio = mass[k] / self.default_body_mass_kg[i].double().numpy()
+        for k, i in self._each(env_ids, masses=True):
+            m, ratio = self.models[i], mass[k] / self.default_body_mass_kg[i].double().numpy()
             m.body_mass[self.bodies] = mass[k]
             m.body_inertia[self.bodies] = self._default_inertia[self.bodies] * ratio[:, None]
-            self._model_changed(i, masses=True)
 
     def set_com_offset(self, env_ids, offset_m) -> None:
         offset = offset_m.cpu().double().numpy()
-        for k, i in enumerate(self._ids(env_ids)):
+        for k, i in self._each(env_ids, masses=True):
             self.models[i].body_ipos[self.torso] = self._default_torso_com + offset[k]
-            self._model_changed(i, masses=True)
 
     def set_friction(self, env_ids, mu) -> None:
         """Ground-foot friction: the feet's sliding friction (the ground's is GROUND_FRICTION)."""
-        for k, i in enumerate(self._ids(env_ids)):
+        for k, i in self._each(env_ids):
             self.models[i].geom_friction[self.feet, 0] = float(mu[k])
-            self._model_changed(i)
 
     def set_joint_params(self, env_ids, armature, damping, frictionloss) -> None:
         a, b, c = (x.cpu().double().numpy() for x in (armature, damping, frictionloss))
-        for k, i in enumerate(self._ids(env_ids)):
+        for k, i in self._each(env_ids, masses=True):
             m = self.models[i]
             m.dof_armature[6:], m.dof_damping[6:], m.dof_frictionloss[6:] = a[k], b[k], c[k]
-            self._model_changed(i, masses=True)
 
     def nan_envs(self) -> torch.Tensor:
-        """Envs MuJoCo reset for a bad state since the last call."""
         blown_up, self._blown_up = self._blown_up, np.zeros(self.num_envs, bool)
         return torch.as_tensor(blown_up, device=self.device)
 
@@ -813,7 +752,6 @@ def shift_in(stack: torch.Tensor, new) -> torch.Tensor:
 
 class TrackingEnv:
     """Batched G1 motion tracking (paper Sec. 3): reference-state init, PD targets in, tracking reward out."""
-
     HISTORY_LEN = 16  # K for HCDR (see hcdr.py for the choice)
     PROPRIO_STEPS, FUTURE_STEPS, STUDENT_PAST, STUDENT_FUTURE = 5, 8, 8, 4
 
@@ -824,12 +762,11 @@ class TrackingEnv:
         self.num_envs, self.device = n, dev = sim.num_envs, sim.device
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
         self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
-        self.scan_xy = SCAN_XY_M.to(dev)
         self.tile_weights = tile_weights(terrain.tile_types, TERRAIN_MIX).to(dev)
-        self.spawn_xy = torch.as_tensor(terrain.spawn_xy_m, device=dev)
+        self.scan_xy, self.spawn_xy = SCAN_XY_M.to(dev), torch.as_tensor(terrain.spawn_xy_m, device=dev)
         self.sensor_std = dr.sensor_std().to(dev) if dr is not None else None
         self.default_mass = sim.default_body_mass_kg.clone()
-        # per-env episode state; tick0: the clip's control tick at the episode start
+        # per-env episode state; the clip's control tick now is tick0 (at the episode start) + step_count
         self.clip, self.tick0, self.step_count = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))
         self.ref_offset = torch.zeros(n, 3, device=dev)  # world offset of the reference (tile spawn point)
         self.next_push_s = torch.full((n,), float("inf"), device=dev)
@@ -849,7 +786,6 @@ class TrackingEnv:
         self.window_steps = torch.arange(1 - self.STUDENT_PAST, self.FUTURE_STEPS + 1, device=dev)
         self.all_ids = torch.arange(n, device=dev)
         self.gen = torch.Generator(device=dev)  # every draw: clips, starts, psi, pushes, tiles, noise (checkpointed)
-        # frame-0 starts: one stream per env, re-seeded by (seed, clip, episode) at every start (see START_MODES)
         self.episode_gens = [torch.Generator(device=dev) for _ in range(n)] if start == "frame0" else None
         self._seed(seed)
 
@@ -879,17 +815,12 @@ class TrackingEnv:
         return self._draw(self.all_ids, lambda m, g: torch.randn((m, *shape), generator=g, device=self.device))
 
     # --- reference ------------------------------------------------------------------------------------------------
-    def tick(self) -> torch.Tensor:
-        """The clip's control tick now (clip time = tick * CONTROL_DT_S)."""
-        return self.tick0 + self.step_count
-
     def reference(self, steps: int | torch.Tensor = 0, env_ids=None) -> dict[str, torch.Tensor]:
         """Reference state `steps` control steps from now, placed in the world (tile offset, terrain height under its
         root). steps: an int, or offsets [K] -> every field gets a window axis: [N, K, ...]."""
         ids = slice(None) if env_ids is None else env_ids
-        clip, tick, offset = self.clip[ids], self.tick()[ids], self.ref_offset[ids]
-        window = torch.is_tensor(steps)
-        if window:  # read all N*K (env, tick) pairs in one gather
+        clip, tick, offset = self.clip[ids], (self.tick0 + self.step_count)[ids], self.ref_offset[ids]
+        if window := torch.is_tensor(steps):  # read all N*K (env, tick) pairs in one gather
             k = len(steps)
             clip, tick = clip.repeat_interleave(k), (tick[:, None] + steps).flatten()
             offset = offset.repeat_interleave(k, 0)
@@ -914,12 +845,9 @@ class TrackingEnv:
         m, dev, lib = len(ids), self.device, self.motions
         if self.start == "frame0":  # start g of the rotation plays clip g mod C for the (g div C)-th time
             g = self.start_count[ids]
-            self.clip[ids] = g % len(lib)
-            self.start_count[ids] += self.num_envs
-            self.tick0[ids] = 0
-            for i, clip, episode in zip(ids.tolist(), (g % len(lib)).tolist(), (g // len(lib)).tolist()):
-                seed_sequence = np.random.SeedSequence([self.seed, clip, episode])  # mixes the three into one seed
-                self.episode_gens[i].manual_seed(int(seed_sequence.generate_state(1)[0]))
+            self.clip[ids], self.tick0[ids], self.start_count[ids] = g % len(lib), 0, g + self.num_envs
+            for i, c, e in zip(ids.tolist(), (g % len(lib)).tolist(), (g // len(lib)).tolist()):  # clip c, episode e
+                self.episode_gens[i].manual_seed(int(np.random.SeedSequence([self.seed, c, e]).generate_state(1)[0]))
         else:  # reference-state init: a uniform clip, then a uniform start tick in it
             self.clip[ids] = torch.randint(len(lib), (m,), generator=self.gen, device=dev)
             num_starts = lib.last_start_tick[self.clip[ids]] + 1
@@ -928,24 +856,20 @@ class TrackingEnv:
         tile = self._draw(ids, lambda k, g: torch.multinomial(self.tile_weights, k, replacement=True, generator=g))
         start = lib.at_tick(self.clip[ids], self.tick0[ids])
         self.ref_offset[ids, :2] = self.spawn_xy[tile] - start["body_pos"][:, 0, :2]
-        # psi: this episode's hidden dynamics (without DR the nominal values written at start stay); evaluation
-        # episodes redraw the body terms too: they must be independent
+        # psi: this episode's hidden dynamics (without DR the nominal values written at start stay, and no pushes:
+        # next_push_s stays inf); evaluation episodes redraw the body terms too: they must be independent
         if self.dr is not None:
             body = self.dr.body_psi_per_episode or self.episode_gens is not None
             for k, v in self._draw(ids, lambda k, g: sample_psi(self.dr, k, g, dev)).items():
                 if body or k not in BODY_PSI_KEYS:
                     self.psi[k][ids] = v
             self._write_psi(ids, body)
-            # without DR: inf, no pushes
             self.next_push_s[ids] = self._draw(ids, lambda k, g: uniform(self.dr.push_interval_s, k, g, dev))
-        # reference-state initialization; the observation stacks of these envs restart from their first frame
-        ref = self.reference(env_ids=ids)
+        ref = self.reference(env_ids=ids)  # reference-state init; these envs' observation stacks restart (_fresh)
         self.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], ref["body_lin_vel"][:, 0],
                              ref["body_ang_vel"][:, 0], ref["dof_pos"], ref["dof_vel"])
-        self.last_alpha[ids] = ref["dof_pos"]
-        self.history[ids] = 0.0
-        self.history_mask[ids] = False
-        self._fresh[ids] = True
+        self.last_alpha[ids], self.history[ids] = ref["dof_pos"], 0.0
+        self.history_mask[ids], self._fresh[ids] = False, True
 
     def _write_psi(self, ids: torch.Tensor, body: bool):
         """psi of envs `ids` into the engine: friction and gravity, and with body=True the body masses, torso CoM and
@@ -966,8 +890,7 @@ class TrackingEnv:
         alpha, dev, psi = alpha.detach().to(self.device), self.device, self.psi
         s_before = self.sparse_buf[:, -1, :SPARSE_STATE_DIM]  # s_t, observed at the end of the last step
         kp, kd = self.kp * psi["kp_scale"][:, None], self.kd * psi["kd_scale"][:, None]
-        # pushes: a random horizontal kick of the root velocity every U[5, 10] s of episode time (not clip time)
-        push = self.step_count * CONTROL_DT_S >= self.next_push_s
+        push = self.step_count * CONTROL_DT_S >= self.next_push_s  # a kick every U[5, 10] s of episode time
         ids = push.nonzero().squeeze(-1)  # one of the two host reads of a step (the engine call needs the count)
         if len(ids):
             _, _, v, w = self.sim.root_state()
@@ -992,8 +915,7 @@ class TrackingEnv:
         body, (q, qd) = self.sim.body_state(), self.sim.dof_state()
         self.history = shift_in(self.history, torch.cat([s_before, alpha], -1))  # HCDR: the (s, alpha) pair played
         self.history_mask = shift_in(self.history_mask, True)
-        # reward and termination against the reference at the new time
-        ref = self.reference()
+        ref = self.reference()  # reward and termination against the reference at the new time
         terms, metrics = tracking_terms(body, ref)
         kernels = {k: torch.exp(REWARD_COEFFS[k] * v) for k, v in terms.items()}
         power_w = power / DECIMATION  # mean mechanical power of the control step
@@ -1006,7 +928,7 @@ class TrackingEnv:
                                   ("keypoint_err_m", "gt_err_m"))
         err = torch.where(self.motions.keypoints_only[self.clip], metrics[keypoint_err], metrics[body_err])
         failed = (err > TERMINATION_ERR_M) | blown_up
-        time_out = self.tick() >= self.motions.num_ticks[self.clip] - 1
+        time_out = self.tick0 + self.step_count >= self.motions.num_ticks[self.clip] - 1
         done = failed | time_out
         self.body_pos_w, self.body_quat_w = body[0], body[1]
         self.ref_body_pos_w, self.ref_body_quat_w = ref["body_pos"], ref["body_quat"]
@@ -1033,8 +955,7 @@ class TrackingEnv:
         """Observations of the current state. advance: a control step passed (the stacks shift by one step);
         otherwise (a reset) only the freshly reset envs' stacks change (they are filled with their first frame)."""
         pos, quat, lin, ang = body
-        root_pos, root_quat = pos[:, 0], quat[:, 0]
-        yaw = yaw_rad(root_quat)
+        root_pos, root_quat, yaw = pos[:, 0], quat[:, 0], yaw_rad(quat[:, 0])
 
         def heading(v):  # world vectors [N, ..., B, 3] -> the heading frame, [N, ..., B*3]
             return rotate_z(v, -yaw.view(-1, *[1] * (v.dim() - 2))).flatten(-2)
@@ -1043,8 +964,7 @@ class TrackingEnv:
             inv_heading = z_quat(-yaw).view(-1, *[1] * (q.dim() - 2), 4)
             return rot6d(quat_mul(inv_heading.expand_as(q), q)).flatten(-2)
 
-        # the sensor readings s_t (joint encoders, IMU): one noise draw each under DR, shared by every stack below
-        s = self.sparse_state(body, q, qd)
+        s = self.sparse_state(body, q, qd)  # readings s_t (encoders, IMU): one noise draw each, in every stack
         if self.sensor_std is not None:
             s = s + self.sensor_std * self._randn(s.shape[-1])
         proprio = torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
@@ -1053,8 +973,7 @@ class TrackingEnv:
         for name, new in (("proprio_buf", proprio), ("sparse_buf", torch.cat([s, self.last_alpha], -1))):
             stack = shift_in(getattr(self, name), new) if advance else getattr(self, name)
             setattr(self, name, torch.where(self._fresh[:, None, None], new[:, None], stack))
-        # dense future reference (teacher) at t+1..t+8 and SSJR keypoint commands (student) at t-7..t+4
-        ref = self.reference(self.window_steps)
+        ref = self.reference(self.window_steps)  # teacher's future t+1..t+8, student's keypoints t-7..t+4
         fut = {k: v[:, self.STUDENT_PAST:] for k, v in ref.items()}
         future = torch.cat([heading(fut["body_pos"] - root_pos[:, None, None]), heading(fut["body_pos"] - pos[:, None]),
                             heading_rot6d(fut["body_quat"]), heading(fut["body_lin_vel"]),
@@ -1067,16 +986,14 @@ class TrackingEnv:
             kp_w = kp_w + self.keypoint_noise
         self._fresh[:] = False
         keypoints = ssjr.keypoint_command(kp_w, root_pos, root_quat)
-        # g_t: height scan around the root in the heading frame
-        scan_w = rotate_z(torch.nn.functional.pad(self.scan_xy, (0, 1)), yaw[:, None])[..., :2]
+        scan_w = rotate_z(torch.nn.functional.pad(self.scan_xy, (0, 1)), yaw[:, None])[..., :2]  # g_t: height scan
         terrain = root_pos[:, 2:3] - self.terrain.height_at(scan_w + root_pos[:, None, :2])
         psi = torch.stack([self.psi[k] for k in PSI_KEYS], -1)
         obs = {"proprio": self.proprio_buf.clone(), "future": future, "ref_dof_pos": fut["dof_pos"][:, 0],
                "terrain": terrain, "history": self.history.clone(), "history_mask": self.history_mask.clone(),
                "student_proprio": self.sparse_buf.clone(), "student_keypoints": keypoints,
                "critic": torch.cat([proprio, future[:, 0], terrain, psi], -1)}
-        if not self.obs_layout:
-            self.obs_layout = {k: list(v.shape[1:]) for k, v in obs.items()}
+        self.obs_layout = self.obs_layout or {k: list(v.shape[1:]) for k, v in obs.items()}
         return obs
 
 
@@ -1095,22 +1012,19 @@ def tracking_terms(body, ref):
     pos, quat, lin, ang = body
     dp = ref["body_pos"] - pos
     angle = ssjr.quat_angle(quat, ref["body_quat"])
-    rel = (ref["body_pos"] - ref["body_pos"][:, :1]) - (pos - pos[:, :1])
+    rel = ((ref["body_pos"] - ref["body_pos"][:, :1]) - (pos - pos[:, :1])).norm(dim=-1)  # root-relative error
     terms = {"gt": dp.pow(2).mean((-1, -2)), "gr": angle.pow(2).mean(-1),
              "gv": (ref["body_lin_vel"] - lin).pow(2).mean((-1, -2)),
              "gav": (ref["body_ang_vel"] - ang).pow(2).mean((-1, -2)),
-             "rh": (ref["body_pos"][:, 0, 2] - pos[:, 0, 2]).pow(2),
-             "rt": dp[:, 0].pow(2).mean(-1)}
-    metrics = {**body_error_metrics(pos, ref["body_pos"]), "mpjpe_m": rel.norm(dim=-1).mean(-1),
-               "gr_err_rad": angle.mean(-1)}
+             "rh": (ref["body_pos"][:, 0, 2] - pos[:, 0, 2]).pow(2), "rt": dp[:, 0].pow(2).mean(-1)}
+    metrics = {**body_error_metrics(pos, ref["body_pos"]), "mpjpe_m": rel.mean(-1), "gr_err_rad": angle.mean(-1)}
     return terms, metrics
 
 
 def tile_weights(tile_types, mix: dict[str, float]) -> torch.Tensor:
     """Spawn weight of each terrain tile: its type's share of the training mix over the number of tiles of that type
-    (the mix is per terrain type, not per tile); uniform if no tile type is in the mix."""
-    w = torch.tensor([mix.get(t, 0.0) / tile_types.count(t) for t in tile_types])
-    return w if w.sum() > 0 else torch.ones_like(w)
+    (the mix is per terrain type, not per tile)."""
+    return torch.tensor([mix.get(t, 0.0) / tile_types.count(t) for t in tile_types])
 
 
 def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
@@ -1145,46 +1059,34 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
 @dataclass
 class Bench:
     """python envs.py bench --sim genesis --num-envs 64"""
+    # isaaclab | genesis | mujoco (mujoco: also our Genesis env on the same scene, in the same run)
     sim: str = "genesis"
-    """isaaclab | genesis | mujoco (mujoco: also our Genesis env on the same scene, in the same run)"""
-    num_envs: int = 64
-    """parallel environments"""
-    device: str = "cpu"
-    """simulation device"""
-    steps: int = 100
-    """control steps timed (after 10 warm-up steps)"""
-    motions: str = "data/packets/g1_moves"
-    """SSJR packet folder or file"""
-    terrain: str = "flat"
-    """flat | smooth_slope | rough_slope | mix"""
-    dr: bool = True
-    """domain randomization on"""
-    torch_threads: int = 1
-    """torch intra-op threads"""
-    performance_mode: bool = False
-    """Genesis performance mode (kernels compiled for this env count)"""
+    num_envs: int = 64  # parallel environments
+    device: str = "cpu"  # simulation device
+    steps: int = 100  # control steps timed (after 10 warm-up steps)
+    motions: str = "data/packets/g1_moves"  # SSJR packet folder or file
+    terrain: str = "flat"  # flat | smooth_slope | rough_slope | mix
+    dr: bool = True  # domain randomization on
+    torch_threads: int = 1  # torch intra-op threads
+    performance_mode: bool = False  # Genesis performance mode (kernels compiled for this env count)
 
 
 def bench_sim(args: Bench, sim: str) -> float:
-    """Print and return env-steps/s of our env on `sim`, beside the raw engine on the same scene (the env's own count
-    of the time spent in the engine's physics steps: ours/raw = the share of wall time that is physics). With DR, also
-    the share of step time the DR writes take when one env resets before every step (as at 4096 envs)."""
+    """Print and return our env's env-steps/s on `sim`, and the raw engine's (ours / the physics share of wall time,
+    the env's own count). With DR, also the DR writes' share of step time, one env reset per step (as at 4096 envs)."""
     t0 = time.time()
     env = make_env(sim, args.num_envs, args.device, args.motions, DR() if args.dr else None, args.terrain,
                    performance_mode=args.performance_mode)
     obs, build_s, n = [env.reset()], time.time() - t0, args.num_envs
 
-    def run(reset_one: bool, steps: int):
-        for _ in range(steps):
+    def rate(reset_one: bool, steps: int) -> tuple[float, float, float]:
+        """(env-steps/s, physics share, DR-write share) of `steps` env steps, after 10 warm-up steps."""
+        for i in range(10 + steps):
+            if i == 10:
+                start, physics_s, dr_write_s = time.perf_counter(), env.physics_s, env.dr_write_s
             if reset_one:
                 env.reset(torch.randint(n, (1,), device=env.device))
             obs[0] = env.step(obs[0]["ref_dof_pos"])[0]
-
-    def rate(reset_one: bool, steps: int) -> tuple[float, float, float]:
-        """(env-steps/s, physics share, DR-write share) of `steps` env steps, after 10 warm-up steps."""
-        run(reset_one, 10)
-        start, physics_s, dr_write_s = time.perf_counter(), env.physics_s, env.dr_write_s
-        run(reset_one, steps)
         wall_s = time.perf_counter() - start
         return n * steps / wall_s, (env.physics_s - physics_s) / wall_s, (env.dr_write_s - dr_write_s) / wall_s
 
@@ -1214,8 +1116,7 @@ def bench(args: Bench) -> None:
 @dataclass
 class Scene:
     """python envs.py scene: (re)write g1_scene.xml from the G1 MJCF and the joint constants above"""
-    out: str = str(SCENE_XML)
-    """output file"""
+    out: str = str(SCENE_XML)  # output file
 
 
 if __name__ == "__main__":

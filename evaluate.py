@@ -4,37 +4,31 @@
     python evaluate.py --ckpt hord.pt no_hcdr.pt no_dr.pt --labels HoRD "HoRD w/o HCDR" "HoRD w/o DR"
     python evaluate.py --ckpt s.pt --motions data/keypoints/cmu_bvh --settings genesis   # human keypoint commands
     python evaluate.py --ckpt s.pt --settings genesis --seeds 0 --episodes 1 --max-steps 100   # smoke run
-
     python evaluate.py --ckpt t.pt s0.pt s1.pt s2.pt --labels teacher student student student   # training runs
 
 Settings: `<engine>[+dr][@<terrain>]`; engine = isaaclab | genesis | mujoco | in_domain (the first checkpoint's
 env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab for Genesis); +dr = envs.DR()
 (paper Table 5: dynamics psi, pushes, sensor noise); terrain = flat | smooth_slope | rough_slope. --onnx adds the
-settings deploy[+drift<v>]: the exported student played by deploy.py in MuJoCo from its ONNX contract alone. One env
-per (checkpoint, setting): the checkpoint's env_cfg with these overrides and frame-0 starts (env i plays clips i, i+N,
-...), restarted by env.reseed(seed) for every seed, closed before the next is built (Isaac Lab: one live env per
-process).
+settings deploy[+drift<v>]: the exported student played by deploy.py in MuJoCo from its ONNX contract alone. One env per
+(checkpoint, setting): its env_cfg with these overrides and frame-0 starts (env i plays clips i, i+N, ...), restarted
+by env.reseed(seed) for every seed, closed before the next is built (Isaac Lab: one live env per process).
 
 Episodes. Under +dr every episode draws its own psi (body terms included), tile, pushes and sensor noise from a stream
-seeded by (seed, clip, episode) alone (envs.START_MODES): the episodes are independent samples, and the episodes of two
+seeded by (seed, clip, episode) alone (envs.START_MODES): the episodes are independent samples, and those of two
 checkpoints with the same key met the same draws (pairs). Without DR an episode is fixed by its clip and tile, and the
-deterministic policy plays it the same way every time: one episode per clip and seed is played, reported as
-near-identical starts, without an interval. Checkpoints that share a label are training runs of one method (e.g.
-training seeds): the run is the unit there (mean and interval over the runs).
+deterministic policy plays it the same way every time: one episode per clip and seed, reported as near-identical starts
+without an interval. Checkpoints sharing a label are training runs (e.g. seeds) of one method: the run is their unit.
 
 Motions: the test split (ssjr.TEST_CLIPS) or a folder/file of SSJR packets and/or human keypoint commands. A keypoint
 command commands only the SSJR keypoint bodies: it is scored by the keypoint error and the falls in its own report
-section, and its full-body metrics are NaN.
-
-An episode runs from frame 0 until its clip ends, its simulation blows up, or GTE_t > 0.5 m (for a keypoint command:
-the mean keypoint error; env termination="mean"): an early end is never a success. env.body_pos_w, ref_body_pos_w
-[N,30,3], body_quat_w, ref_body_quat_w [N,30,4] are recorded right after every env.step() (the states the env judged).
-Per episode of T steps (50 Hz), B=30 bodies:
+section, and its full-body metrics are NaN. An episode runs from frame 0 until its clip ends, its simulation blows up,
+or GTE_t > 0.5 m (for a keypoint command: the mean keypoint error; env termination="mean"): an early end is never a
+success. env.body_pos_w, ref_body_pos_w [N,30,3], body_quat_w, ref_body_quat_w [N,30,4] are recorded right after every
+env.step() (the states the env judged). Per episode of T steps (50 Hz), B=30 bodies:
 
   GTE_t        = mean_b ||p_ref_tb - p_tb||  (the per-frame g-mpjpe)         (world frame, m)
   success      = max_t GTE_t < 0.5 m and every error finite                   (the paper's success, %)
-  success_strict = max_t max_b ||p_ref_tb - p_tb|| < 0.5 m                    (every body within 0.5 m: the training
-                                                                               termination; stricter, %)
+  success_strict = max_t max_b ||p_ref_tb - p_tb|| < 0.5 m       (every body within 0.5 m: the training termination, %)
   steps        = control steps survived (the clip's length for a success)
   g-mpjpe      = mean_t GTE_t                                                 (world frame, mm)
   mpjpe        = mean_t mean_b ||L_ref_t (p_ref_tb - p_ref_t0) - L_t (p_tb - p_t0)||   (mm; body 0 = pelvis, L_t =
@@ -59,22 +53,21 @@ mean of the runs' means, Student-t interval over the runs. Push recovery (+dr): 
 at least once. Comparisons against the first label, per setting and metric: the paired difference (episodes paired by
 (clip, seed, episode)), McNemar's exact test for the 0/1 metrics and scipy.stats.ttest_rel for the others; for runs,
 the per-run paired differences (runs paired in the order given; one reference run serves them all), their mean,
-t-interval and one-sample t-test over the runs. p < --alpha is flagged `*`.
-Outputs in --out-dir: table.md, episodes.csv (one row per episode), summary.json. Pictures of a motion:
-`python ssjr.py show <packet>`.
+t-interval and one-sample t-test over the runs. p < --alpha is flagged `*`. Outputs in --out-dir: table.md,
+episodes.csv (one row per episode), summary.json. Pictures of a motion: `python ssjr.py show <packet>`.
 """
 from __future__ import annotations
 
 import contextlib
 import csv
 import dataclasses
+import io
 import json
 import math
 import pathlib
 import re
 import sys
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -85,7 +78,6 @@ import envs
 import ssjr
 import student
 import teacher
-from ssjr import InputError
 
 SUCCESS_THRESHOLD_M = 0.5  # paper: an episode fails once the global translation error exceeds 0.5 m
 REWARD_C = {"dv": 0.002, "kb": 10.0, "lr": 0.2, "rv": 0.5, "rav": 0.1}  # c of exp(-c * err); ProtoMotions' values
@@ -103,9 +95,10 @@ ENGINES = {"isaaclab": "IsaacLab", "genesis": "Genesis", "mujoco": "MuJoCo"}
 # zero_shot: the engine least like the training one (Isaac Lab 3.0 steps MuJoCo-Warp: MuJoCo and Isaac Lab are twins)
 ZERO_SHOT = {"isaaclab": "genesis", "genesis": "isaaclab", "mujoco": "genesis"}
 RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
+Z95 = stats.norm.ppf(0.975)
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     ckpt: tuple[str, ...] = ()
     """checkpoint(s) of teacher.py / student.py; several give an ablation table, the first label is the reference"""
@@ -114,93 +107,60 @@ class Args:
     settings: tuple[str, ...] = ("isaaclab", "isaaclab+dr", "genesis", "genesis+dr",
                                  "zero_shot@smooth_slope", "zero_shot@rough_slope")
     """evaluation settings, `<engine>[+dr][@<terrain>]` (see the module docstring)"""
-    motions: str = ""
-    """'' = the test split (ssjr.TEST_CLIPS in packet_dir); else a folder/file of packets and/or keypoint commands"""
-    packet_dir: str = str(ssjr.REPO / "data" / "packets" / "g1_moves")
-    """folder searched (recursively) for the test-split packets written by `ssjr.py convert`"""
-    seeds: tuple[int, ...] = (0, 1, 2)
-    """evaluation seeds: with the clip and the episode index they seed each episode's psi, tile, pushes and noise"""
-    episodes: int = 2
-    """episodes per clip and seed under +dr (without DR one: they would be near-identical)"""
-    num_envs: int = 16
-    """parallel envs (capped at clips x episodes)"""
-    device: str = "cpu"
-    """torch / simulation device"""
-    max_steps: int = 0
-    """stop each rollout after this many control steps, recording unfinished episodes as truncated (0 = no cap)"""
-    out_dir: str = "results/eval"
-    """where table.md, episodes.csv and summary.json go"""
-    alpha: float = 0.01
-    """significance level of the paired tests"""
+    motions: str = ""  # '' = the test split (ssjr.TEST_CLIPS); else a folder/file of packets and/or keypoint commands
+    packet_dir: str = str(ssjr.REPO / "data" / "packets" / "g1_moves")  # searched recursively for test-split packets
+    seeds: tuple[int, ...] = (0, 1, 2)  # they seed each episode's psi, tile, pushes and noise (with its clip and index)
+    episodes: int = 2  # episodes per clip and seed under +dr (without DR one: they would be near-identical)
+    num_envs: int = 16  # parallel envs (capped at clips x episodes)
+    device: str = "cpu"  # torch / simulation device
+    max_steps: int = 0  # cap on each rollout's control steps; unfinished episodes are recorded as truncated (0 = none)
+    out_dir: str = "results/eval"  # where table.md, episodes.csv and summary.json go
+    alpha: float = 0.01  # significance level of the paired tests
     onnx: tuple[str, ...] = ()
-    """exported students (export.py), played by deploy.py in MuJoCo from their contract alone: setting
-    'deploy' (and 'deploy+drift<v>' for each non-zero --root-drift-mps)"""
+    """exported students (export.py) played by deploy.py in MuJoCo from their contract: settings deploy[+drift<v>]"""
     onnx_labels: tuple[str, ...] = ()
     """row names of the ONNX files (default: file stems); a checkpoint's label puts the export beside it"""
     root_drift_mps: tuple[float, ...] = (0.0,)
     """deploy settings: drift speed of the root position estimate (a random horizontal direction per seed)"""
     render: str = ""
-    """draw the first episode (of the first checkpoint, setting and seed) to this .png (8 frames), .gif or .mp4: the
-    robot's bodies in blue, the reference's keypoints in orange"""
+    """draw the first episode to this .png (8 frames), .gif or .mp4: robot bodies blue, reference keypoints orange"""
     parity: bool = False
-    """instead of evaluating: step the MuJoCo env with the student (--ckpt) on the first motion and compare, term by
-    term, the inputs deploy.py builds from the same MuJoCo states with the env's observations, and the ONNX (--onnx)
-    actions with the torch student's; print the first term beyond tolerance or 'all inputs match'"""
+    """instead of evaluating: on the first motion, compare deploy.py's inputs with the MuJoCo env's and the ONNX
+    (--onnx) actions with the student's (--ckpt); print the first term beyond tolerance or 'all inputs match'"""
 
 
 # --- 1. Metrics: pure functions over one episode's arrays, positions [T,B,3] (m), quaternions [T,B,4] (wxyz). ---
-def local_rotations(quat: torch.Tensor, parents: tuple[int, ...]) -> torch.Tensor:
-    """Rotation of each non-root body in its parent's frame: [T,B,4] -> [T,B-1,4]."""
-    return ssjr.quat_mul(ssjr.quat_conj(quat[:, list(parents[1:])]), quat[:, 1:])
-
-
-def root_velocities(pos: torch.Tensor, quat: torch.Tensor, dt_s: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Finite-difference root linear and angular velocity in the world frame, [T-1,3] each."""
-    lin = (pos[1:, 0] - pos[:-1, 0]) / dt_s
-    ang = ssjr.quat_to_rotvec(ssjr.quat_mul(quat[1:, 0], ssjr.quat_conj(quat[:-1, 0]))) / dt_s
-    return lin, ang
-
-
-def reward_terms(pos: torch.Tensor, quat: torch.Tensor, ref_pos: torch.Tensor, ref_quat: torch.Tensor,
-                 dt_s: float, parents: tuple[int, ...], keybody_ids: tuple[int, ...]) -> dict[str, float]:
+def reward_terms(pos: torch.Tensor, quat: torch.Tensor, ref_pos: torch.Tensor, ref_quat: torch.Tensor, dt_s: float):
     """The reward-aligned terms dv/kb/lr/rv/rav_rew = mean_t exp(-REWARD_C * err_t) (errors: module docstring)."""
-    lr, ref_lr = local_rotations(quat, parents), local_rotations(ref_quat, parents)
-    kb = list(keybody_ids)
-    err = {"kb": (pos[:, kb] - ref_pos[:, kb]).pow(2).sum(-1).mean(-1),
+    lr, ref_lr = (ssjr.quat_mul(ssjr.quat_conj(q[:, list(ssjr.BODY_PARENTS[1:])]), q[:, 1:]) for q in (quat, ref_quat))
+    err = {"kb": (pos - ref_pos)[:, list(ssjr.KEYPOINT_BODY_IDS)].pow(2).sum(-1).mean(-1),
            "lr": ssjr.quat_angle(lr, ref_lr).mean(-1)}
-    if len(pos) > 1:
-        step = ssjr.quat_mul(ssjr.quat_conj(lr[:-1]), lr[1:])
-        ref_step = ssjr.quat_mul(ssjr.quat_conj(ref_lr[:-1]), ref_lr[1:])
+    if len(pos) > 1:  # one-step finite differences [T-1]: joint, root linear and root angular (world) velocities
+        step, ref_step = (ssjr.quat_mul(ssjr.quat_conj(q[:-1]), q[1:]) for q in (lr, ref_lr))
         err["dv"] = (ssjr.quat_angle(step, ref_step) / dt_s).pow(2).sum(-1)
-        (v, w), (v_ref, w_ref) = root_velocities(pos, quat, dt_s), root_velocities(ref_pos, ref_quat, dt_s)
-        err["rv"] = (v - v_ref).pow(2).sum(-1)
-        err["rav"] = (w - w_ref).pow(2).sum(-1)
+        v, v_ref = ((p[1:, 0] - p[:-1, 0]) / dt_s for p in (pos, ref_pos))
+        w, w_ref = (ssjr.quat_to_rotvec(ssjr.quat_mul(q[1:, 0], ssjr.quat_conj(q[:-1, 0]))) / dt_s
+                    for q in (quat, ref_quat))
+        err["rv"], err["rav"] = (v - v_ref).pow(2).sum(-1), (w - w_ref).pow(2).sum(-1)
     return {f"{k}_rew": float(torch.exp(-REWARD_C[k] * err[k]).mean()) if k in err else math.nan for k in REWARD_C}
 
 
 def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S, command: str = ROBOT) -> dict[str, float]:
-    """The metrics of a recorded episode (rec: RECORDED arrays [T,B,.], numpy or torch): METRICS and max_gte_m (NaN for
-    a human keypoint command, whose non-keypoint reference bodies are filler), keypoint_err_mm, max_keypoint_err_m
-    (the env's failure test compares the mean keypoint error with 0.5 m; `fell`, its verdict, comes with the
-    rollout)."""
+    """The metrics of a recorded episode (RECORDED arrays [T,B,.], numpy or torch): METRICS and max_gte_m (NaN for a
+    keypoint command: its other bodies are filler), keypoint_err_mm, steps, max_keypoint_err_m (its failure test)."""
     pos, ref_pos, quat, ref_quat = (torch.as_tensor(np.asarray(rec[k]), dtype=torch.float64) for k in RECORDED)
     err = envs.body_error_metrics(pos, ref_pos)  # per step [T]; the env's info["metrics"] are the same functions
     gte = err["gt_err_m"]  # GTE_t: the mean over the bodies
     within = lambda e: float(bool(torch.isfinite(e).all() and e.max() < SUCCESS_THRESHOLD_M))  # noqa: E731
-    local = ssjr.root_relative(pos, pos[:, 0], quat[:, 0])  # each pose in its own heading frame
-    ref_local = ssjr.root_relative(ref_pos, ref_pos[:, 0], ref_quat[:, 0])
+    local, ref_local = (ssjr.root_relative(p, p[:, 0], q[:, 0]) for p, q in ((pos, quat), (ref_pos, ref_quat)))
     gr = float(ssjr.quat_angle(quat, ref_quat).mean())
     out = {"success": within(gte), "success_strict": within(err["max_body_err_m"]), "max_gte_m": float(gte.max()),
-           "g_mpjpe_mm": 1000.0 * float(gte.mean()),
-           "mpjpe_mm": 1000.0 * float((ref_local - local).norm(dim=-1).mean()), "gr_err_rad": gr,
-           "gr_err_deg": math.degrees(gr)}
-    out.update(reward_terms(pos, quat, ref_pos, ref_quat, dt_s, ssjr.BODY_PARENTS, ssjr.KEYPOINT_BODY_IDS))
+           "g_mpjpe_mm": 1000 * float(gte.mean()), "mpjpe_mm": 1000.0 * float((ref_local - local).norm(dim=-1).mean()),
+           "gr_err_rad": gr, "gr_err_deg": math.degrees(gr), **reward_terms(pos, quat, ref_pos, ref_quat, dt_s)}
     if command == HUMAN_KEYPOINTS:
         out.update(dict.fromkeys((*METRICS, "max_gte_m"), math.nan))
-    out["keypoint_err_mm"] = 1000.0 * float(err["keypoint_err_m"].mean())
-    out["steps"] = float(len(pos))
-    out["max_keypoint_err_m"] = float(err["max_keypoint_err_m"].max())
-    return out
+    return {**out, "keypoint_err_mm": 1000.0 * float(err["keypoint_err_m"].mean()), "steps": float(len(pos)),
+            "max_keypoint_err_m": float(err["max_keypoint_err_m"].max())}
 
 
 # --- 2. Statistics over episode rows (dicts: label, ckpt, setting, seed, clip, episode, metrics...). ---
@@ -212,13 +172,8 @@ def group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     return out
 
 
-Z95 = stats.norm.ppf(0.975)
-
-
 def wilson(k: float, n: int) -> tuple[float, float]:
-    """95 % Wilson score interval of a rate, k successes in n independent trials."""
-    if n == 0:
-        return math.nan, math.nan
+    """95 % Wilson score interval of a rate, k successes in n > 0 independent trials."""
     p, z2 = k / n, Z95 ** 2
     centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
     return max(0.0, centre - half), min(1.0, centre + half)
@@ -228,10 +183,9 @@ def paired_rate_difference(a, b) -> tuple[float, float, float]:
     """(mean(a) - mean(b), 95 % interval) of paired 0/1 outcomes: Newcombe's hybrid score interval (method 10 of
     Newcombe 1998, Stat. Med. 17:2635), built from the two Wilson intervals and the pairs' correlation phi."""
     a, b = np.asarray(a, bool), np.asarray(b, bool)
-    n = len(a)
-    if n == 0:
+    if not (n := len(a)):
         return math.nan, math.nan, math.nan
-    both, only_a, only_b, neither = ((a & b).sum(), (a & ~b).sum(), (~a & b).sum(), (~a & ~b).sum())
+    both, only_a, only_b, neither = (a & b).sum(), (a & ~b).sum(), (~a & b).sum(), (~a & ~b).sum()
     p1, p2 = a.mean(), b.mean()
     (l1, u1), (l2, u2) = wilson(int(a.sum()), n), wilson(int(b.sum()), n)
     denominator = float((both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither))
@@ -252,16 +206,10 @@ def t_interval(xs) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def per_run(rows: list[dict], metric: str) -> list[list[float]]:
-    """The finite values of `metric`, one list per checkpoint (training run), in the order the runs were given."""
-    return [xs for sel in group(rows, "ckpt").values() if (xs := [r[metric] for r in sel if math.isfinite(r[metric])])]
-
-
 def estimate(rows: list[dict], metric: str, independent: bool) -> dict:
-    """`metric` over the rows of one label and setting: {mean, lo, hi (95 % interval), n (episodes), runs}; PERCENT
-    metrics in %. One run: over its episodes (rates: Wilson, others: t), no interval if they are not independent.
-    Several runs: the mean of the run means and a t-interval over the runs."""
-    runs, scale = per_run(rows, metric), 100.0 if metric in PERCENT else 1.0
+    """`metric` over the rows of one label and setting (Aggregation): {mean, lo, hi (95 %), n, runs}; rates in %."""
+    scale = 100.0 if metric in PERCENT else 1.0  # runs: the finite values, one list per checkpoint, in the given order
+    runs = [xs for sel in group(rows, "ckpt").values() if (xs := [r[metric] for r in sel if math.isfinite(r[metric])])]
     if not runs:
         return {"mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0, "runs": 0}
     if len(runs) > 1:
@@ -309,17 +257,13 @@ def pairs(rows: list[dict], ref_rows: list[dict], metric: str) -> tuple[np.ndarr
 
 
 def compare(rows: list[dict], ref_rows: list[dict], metric: str, independent: bool) -> dict:
-    """`rows` - `ref_rows` of one setting: {diff, lo, hi (95 % interval), p, test, n (pairs), runs}; PERCENT metrics in
-    points. One run each: the mean paired difference over the episodes, for 0/1 metrics with Newcombe's interval and
-    McNemar's test, else with a t-interval and the paired t-test; no interval or test for episodes that are not
-    independent. Several runs (paired in the order given, or each with the other side's single run): the per-pair
-    differences, their mean, t-interval and one-sample t-test (with one reference run it leaves out that run's own
-    spread: the test says so)."""
+    """`rows` - `ref_rows` of one setting (Aggregation): {diff, lo, hi (95 % interval), p, test, n (pairs), runs}, rates
+    in points; 0/1 metrics: Newcombe's interval, McNemar; no interval or test over episodes that are not independent.
+    Several runs against one reference run leave out that run's own spread: the test says so."""
     scale = 100.0 if metric in PERCENT else 1.0
     runs, ref_runs = list(group(rows, "ckpt").values()), list(group(ref_rows, "ckpt").values())
     if not runs or not ref_runs or 1 not in (len(runs), len(ref_runs)) and len(runs) != len(ref_runs):
-        return {"diff": math.nan, "lo": math.nan, "hi": math.nan, "p": math.nan, "test": "runs not pairable", "n": 0,
-                "runs": 0}
+        return {**dict.fromkeys(("diff", "lo", "hi", "p"), math.nan), "test": "runs not pairable", "n": 0, "runs": 0}
     k = max(len(runs), len(ref_runs))
     paired = [pairs(runs[i % len(runs)], ref_runs[i % len(ref_runs)], metric) for i in range(k)]
     n = sum(len(a) for a, _ in paired)
@@ -337,25 +281,19 @@ def compare(rows: list[dict], ref_rows: list[dict], metric: str, independent: bo
         else:
             (diff, lo, hi), p, test = t_interval(a - b), paired_ttest(a, b)[1], "paired t"
         if not independent:
-            lo = hi = p = math.nan
-            test = "near-identical starts"
+            lo, hi, p, test = math.nan, math.nan, math.nan, "near-identical starts"
     return {"diff": scale * diff, "lo": scale * lo, "hi": scale * hi, "p": p, "test": test, "n": n, "runs": len(runs)}
 
 
 def comparison_rows(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
                     metrics=ALL_METRICS) -> list[dict]:
-    """Every label against every label before it (e.g. student vs teacher, w/o HCDR vs teacher and vs student), per
-    setting and metric (but those NaN in every row)."""
-    out, by = [], group(rows, "label", "setting")
-    metrics = [m for m in metrics if any(math.isfinite(r[m]) for r in rows)]
-    for j, label in enumerate(labels):
-        for reference in labels[:j]:
-            for s in settings:
-                for metric in metrics:
-                    c = compare(by.get((label, s.name), []), by.get((reference, s.name), []), metric, s.dr)
-                    out.append({"label": label, "reference": reference, "setting": s.name, "metric": metric, **c,
-                                "significant": bool(c["p"] < alpha)})
-    return out
+    """Every label against every label before it (w/o HCDR vs teacher and vs student), per setting and finite metric."""
+    by = group(rows, "label", "setting")
+    out = [{"label": label, "reference": reference, "setting": s.name, "metric": m,
+            **compare(by.get((label, s.name), []), by.get((reference, s.name), []), m, s.dr)}
+           for j, label in enumerate(labels) for reference in labels[:j] for s in settings
+           for m in metrics if any(math.isfinite(r[m]) for r in rows)]
+    return [{**c, "significant": bool(c["p"] < alpha)} for c in out]
 
 
 # --- 3. Reports: markdown tables, CSV, JSON (every file through ssjr.write_atomic). ---
@@ -371,9 +309,8 @@ def _cell(rows: list[dict], metric: str, independent: bool) -> str:
     text = _fmt(e["mean"], metric)
     if math.isfinite(e["lo"]):
         text += f" [{_fmt(e['lo'], metric)}, {_fmt(e['hi'], metric)}]"
-    if e["runs"] > 1:
-        return text + f" ({e['runs']} runs)"
-    return text + (f" ({e['n']} near-identical starts)" if metric in PERCENT and not independent else "")
+    return text + (f" ({e['runs']} runs)" if e["runs"] > 1 else f" ({e['n']} near-identical starts)"
+                   if metric in PERCENT and not independent else "")
 
 
 def _md(header: list[str], body: list[list[str]]) -> str:
@@ -392,20 +329,11 @@ def table1_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
     return _md(["Method"] + [f"{s.title} {name}" for s in settings for _, name in columns], body)
 
 
-def runs_markdown(rows: list[dict], settings: list[Setting], columns=TABLE1_METRICS[:2]) -> str:
-    """One row per checkpoint (training run): the `columns` per setting."""
-    by = group(rows, "ckpt", "setting")
-    body = [[sel[0]["label"], f"`{ckpt}`"] + [_cell(by.get((ckpt, s.name), []), m, s.dr) for s in settings
-                                              for m, _ in columns] for (ckpt,), sel in group(rows, "ckpt").items()]
-    return _md(["Method", "checkpoint"] + [f"{s.title} {name}" for s in settings for _, name in columns], body)
-
-
-def per_motion_markdown(rows: list[dict], labels: list[str], setting: Setting, motions: list[str],
-                        columns=TABLE1_METRICS) -> str:
+def per_motion_markdown(rows: list[dict], labels: list[str], setting: Setting, columns=TABLE1_METRICS) -> str:
     """Per motion (all segments of one source clip) or per keypoint command: the `columns` per label."""
     by = group(rows, "label", "setting", "motion")
     body = [[motion] + [_cell(by.get((label, setting.name, motion), []), m, setting.dr) for label in labels
-                        for m, _ in columns] for motion in motions]
+                        for m, _ in columns] for motion in dict.fromkeys(r["motion"] for r in rows)]
     return _md(["Motion"] + [f"{label} {name}" for label in labels for _, name in columns], body)
 
 
@@ -423,8 +351,7 @@ def push_markdown(rows: list[dict], labels: list[str], settings: list[Setting], 
     return _md(["Method"] + [f"{s.title} {name} [pushed/all episodes]" for s in settings], body)
 
 
-def comparison_markdown(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
-                        metrics=ALL_METRICS) -> str:
+def comparison_markdown(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float, metrics) -> str:
     """comparison_rows as a table: method - reference [95 % interval], the test, p, pairs of episodes, runs."""
     def interval(c):
         return f"[{_fmt(c['lo'], c['metric'])}, {_fmt(c['hi'], c['metric'])}]" if math.isfinite(c["lo"]) else ""
@@ -436,9 +363,8 @@ def comparison_markdown(rows: list[dict], labels: list[str], settings: list[Sett
 
 
 def _counts(rows: list[dict], settings: list[Setting]) -> str:
-    truncated = sum(r["truncated"] for r in rows)
     cut = (f"; {truncated} of all {len(rows)} recorded episodes were cut short by --max-steps (a success there only "
-           f"means no failure so far)") if truncated else ""
+           f"means no failure so far)") if (truncated := sum(r["truncated"] for r in rows)) else ""
     per = group(rows, "ckpt", "setting")
     counts = ", ".join(f"{s.name} {max((len(v) for (_, name), v in per.items() if name == s.name), default=0)} "
                        f"{'independent episodes' if s.dr else 'near-identical starts'}" for s in settings)
@@ -446,16 +372,12 @@ def _counts(rows: list[dict], settings: list[Setting]) -> str:
             f"{len({r['seed'] for r in rows})} seed(s); per checkpoint: {counts}{cut}")
 
 
-PUSH_NOTE = (f"+DR: dynamics psi and sensor noise (envs.DR) on every checkpoint; pushes: a root-velocity kick of up "
-             f"to {envs.DR().push_vel_mps} m/s every U{list(envs.DR().push_interval_s)} s of episode time.\n\n")
-
-
-def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float,
-                    notes: tuple[str, ...] = ()) -> str:
-    """table.md: the paper's tables over the robot-motion episodes, keypoint error and falls over the human keypoint
-    command episodes, the comparisons of both; `notes` first."""
+def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float, notes=()) -> str:
+    """table.md: `notes`, the paper's tables of the robot motions, keypoint error and falls of the keypoint commands."""
     robot, human = ([r for r in rows if r["command"] == c] for c in (ROBOT, HUMAN_KEYPOINTS))
     flat, with_dr = [s for s in settings if s.terrain == "flat"], [s for s in settings if s.dr]
+    push_note = (f"+DR: dynamics psi and sensor noise (envs.DR) on every checkpoint; pushes: a root-velocity kick of "
+                 f"up to {envs.DR().push_vel_mps} m/s every U{list(envs.DR().push_interval_s)} s of episode time.\n\n")
     parts = [f"# HoRD evaluation\n\nsuccess = max_t GTE_t < {SUCCESS_THRESHOLD_M} m (GTE_t: the bodies' mean "
              f"position error), the episode ends when it fails; success_strict: every body within "
              f"{SUCCESS_THRESHOLD_M} m. Cells: mean [95 % interval]: rates Wilson over independent episodes (+DR), "
@@ -464,26 +386,27 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
              f"otherwise; over runs: t); every pair of labels: the paired comparisons at the end.\n"]
     if notes:
         parts.append("**Notes**\n\n" + "".join(f"- {n}\n" for n in notes))
-    several_runs = len(labels) < len({r["ckpt"] for r in rows})
     if robot:
         parts.append(f"Robot motions (SSJR packets): {_counts(robot, settings)}.\n")
         if flat:
             parts.append("## Table 1: tracking across engines\n\n" + table1_markdown(robot, labels, flat, alpha))
-        sloped = [s for s in settings if s.terrain != "flat"]
-        if sloped:
+        if sloped := [s for s in settings if s.terrain != "flat"]:
             terrain = [s for s in flat if any((s.sim, s.dr) == (t.sim, t.dr) for t in sloped)] + sloped
             parts.append("## Terrain\n\n" + table1_markdown(robot, labels, terrain, alpha))
-        if several_runs:
-            parts.append("## Runs\n\n" + runs_markdown(robot, settings))
+        if len(labels) < len({r["ckpt"] for r in rows}):  # several runs of a label: a row per checkpoint
+            by_run, columns = group(robot, "ckpt", "setting"), TABLE1_METRICS[:2]
+            head = ["Method", "checkpoint"] + [f"{s.title} {name}" for s in settings for _, name in columns]
+            parts.append("## Runs\n\n" + _md(head, [[sel[0]["label"], f"`{ckpt}`"] + [
+                _cell(by_run.get((ckpt, s.name), []), m, s.dr) for s in settings for m, _ in columns]
+                for (ckpt,), sel in group(robot, "ckpt").items()]))
         if with_dr:
-            parts.append("## Push recovery\n\n" + PUSH_NOTE + push_markdown(robot, labels, with_dr))
+            parts.append("## Push recovery\n\n" + push_note + push_markdown(robot, labels, with_dr))
         by = group(robot, "label", "setting")  # the paper's App. table 'comprehensive metrics'
         parts += [f"## All metrics: {s.title}\n\n" + _md(["Metric"] + labels, [
             [(m + " (%)" if m in PERCENT else m) + (" ↓" if m in LOWER_IS_BETTER else " ↑")]
             + [_cell(by.get((label, s.name), []), m, s.dr) for label in labels] for m in ALL_METRICS])
             for s in settings]
-        motions = list(dict.fromkeys(r["motion"] for r in robot))
-        parts += [f"## Per motion: {s.title}\n\n" + per_motion_markdown(robot, labels, s, motions) for s in settings]
+        parts += [f"## Per motion: {s.title}\n\n" + per_motion_markdown(robot, labels, s) for s in settings]
         if len(labels) > 1:
             parts.append("## Paired comparisons: robot motions\n\n" + comparison_markdown(
                 robot, labels, settings, alpha, ("success", "success_strict", "steps", "g_mpjpe_mm", "mpjpe_mm")))
@@ -492,10 +415,9 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
                      f"commanded, so these are scored by the keypoint error and the falls instead of the full-body "
                      f"metrics.\n\n" + table1_markdown(human, labels, settings, alpha, KEYPOINT_TABLE))
         if with_dr:
-            parts.append("## Push recovery: human keypoint commands\n\n" + PUSH_NOTE
+            parts.append("## Push recovery: human keypoint commands\n\n" + push_note
                          + push_markdown(human, labels, with_dr, "fell", "falls of pushed episodes (%)↓"))
-        commands = list(dict.fromkeys(r["motion"] for r in human))
-        parts += [f"## Per command: {s.title}\n\n" + per_motion_markdown(human, labels, s, commands, KEYPOINT_TABLE)
+        parts += [f"## Per command: {s.title}\n\n" + per_motion_markdown(human, labels, s, KEYPOINT_TABLE)
                   for s in settings]
         if len(labels) > 1:
             parts.append("## Paired comparisons: human keypoint commands\n\n"
@@ -509,16 +431,13 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
     out = pathlib.Path(out_dir)
     report = report_markdown(rows, labels, settings, alpha, notes)
     ssjr.write_atomic(out / "table.md", lambda tmp: tmp.write_text(report))
-
-    def write_csv(tmp):  # one line per episode; columns: the union of the row keys in first-seen order
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, list(dict.fromkeys(k for r in rows for k in r)), lineterminator="\n")
-            w.writeheader()
-            w.writerows(rows)
-    ssjr.write_atomic(out / "episodes.csv", write_csv)
+    episodes = io.StringIO()  # one line per episode; columns: the union of the row keys in first-seen order
+    w = csv.DictWriter(episodes, list(dict.fromkeys(k for r in rows for k in r)), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    ssjr.write_atomic(out / "episodes.csv", lambda tmp: tmp.write_text(episodes.getvalue(), newline=""))
     kinds = {command: [r for r in rows if r["command"] == command] for command in (ROBOT, HUMAN_KEYPOINTS)}
-    by = {command: group(sel, "label", "setting") for command, sel in kinds.items()}
-    by_run = {command: group(sel, "ckpt", "setting") for command, sel in kinds.items()}
+    by, by_run = ({command: group(sel, key, "setting") for command, sel in kinds.items()} for key in ("label", "ckpt"))
     results = lambda command, metrics: {label: {s.name: {m: estimate(by[command].get((label, s.name), []), m,  # noqa
         s.dr) for m in metrics} for s in settings} for label in labels}
     runs = lambda command, metrics: {ckpt: {s.name: {m: estimate(by_run[command].get((ckpt, s.name), []), m,  # noqa
@@ -539,7 +458,7 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
 
 
 # --- 4. Settings, motions, checkpoints, envs. ---
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Setting:
     name: str  # canonical: <engine>[+dr][@<terrain>]
     sim: str
@@ -550,9 +469,8 @@ class Setting:
 
     @property
     def title(self) -> str:
-        if self.deploy_drift_mps is not None:
-            return "deploy.py ONNX, MuJoCo" + (f", root drift {self.deploy_drift_mps:g} m/s" if self.deploy_drift_mps
-                                                else "")
+        if (drift := self.deploy_drift_mps) is not None:
+            return "deploy.py ONNX, MuJoCo" + (f", root drift {drift:g} m/s" if drift else "")
         terrain = "" if self.terrain == "flat" else f" {self.terrain.replace('_', ' ')}"
         return f"{ENGINES[self.sim]}{'+DR' if self.dr else ''}{terrain} ({'ID' if self.in_domain else 'OOD'})"
 
@@ -564,8 +482,8 @@ def parse_setting(token: str, train_sim: str) -> Setting:
     terrain = terrain or "flat"
     sim = {"in_domain": train_sim, "zero_shot": ZERO_SHOT[train_sim]}.get(engine, engine)
     if sim not in ENGINES or (plus and dr != "dr") or terrain not in envs.TERRAIN_TYPES:
-        raise InputError("--settings", f"bad setting {token!r}: use <engine>[+dr][@<terrain>], engine in "
-                         f"{tuple(ENGINES) + ('in_domain', 'zero_shot')}, terrain in {envs.TERRAIN_TYPES}")
+        raise ssjr.InputError("--settings", f"bad setting {token!r}: use <engine>[+dr][@<terrain>], engine in "
+                              f"{tuple(ENGINES) + ('in_domain', 'zero_shot')}, terrain in {envs.TERRAIN_TYPES}")
     name = sim + ("+dr" if plus else "") + ("" if terrain == "flat" else f"@{terrain}")
     return Setting(name, sim, bool(plus), terrain, sim == train_sim)
 
@@ -581,25 +499,20 @@ def resolve_motions(motions: str, packet_dir: str) -> list[pathlib.Path]:
     if motions:
         return envs.resolve_motions(motions)
     _, test = ssjr.train_test_split(sorted(pathlib.Path(packet_dir).rglob("*.npz")))
-    missing = [c for c in ssjr.TEST_CLIPS if c not in {motion_name(p.stem) for p in test}]
-    if missing:
-        raise InputError(packet_dir, f"test-split packets missing: {missing}; build them with `python ssjr.py "
-                                     f"convert ...` or pass --packet-dir / --motions")
+    if missing := [c for c in ssjr.TEST_CLIPS if c not in {motion_name(p.stem) for p in test}]:
+        raise ssjr.InputError(packet_dir, f"test-split packets missing: {missing}; build them with `python ssjr.py "
+                                          f"convert ...` or pass --packet-dir / --motions")
     return sorted(test, key=lambda p: (ssjr.TEST_CLIPS.index(motion_name(p.stem)), p.stem))
 
 
 def load_policy(path, device: str):
     """(policy, checkpoint): teacher.load_policy or student.load_policy, by the checkpoint's kind."""
-    if teacher.load_checkpoint(path)["kind"] == "teacher":
-        return teacher.load_policy(path, device)
-    return student.load_policy(path, device)
+    return (teacher if teacher.load_checkpoint(path)["kind"] == "teacher" else student).load_policy(path, device)
 
 
 def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
                seed: int) -> contextlib.closing:
-    """The checkpoint's env with the setting's engine, DR and terrain, the evaluated motions, frame-0 starts
-    (independent, paired episodes) and the paper's failure test (the bodies' mean error); closed on exit, also on an
-    error (Isaac Lab allows one live env per process)."""
+    """The checkpoint's env with the setting's overrides (module docstring); closed on exit, also on an error."""
     return contextlib.closing(envs.make_env(**{
         **env_cfg, "sim": setting.sim, "dr": "default" if setting.dr else None, "terrain": setting.terrain,
         "motions": [str(p) for p in motion_paths], "num_envs": num_envs, "device": device, "seed": seed,
@@ -607,33 +520,20 @@ def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path]
 
 
 # --- 5. Rollouts. ---
-def episode_plan(num_envs: int, num_clips: int, episodes_per_clip: int) -> list[list[tuple[int, int] | None]]:
-    """Which episodes to keep. With start='frame0', env i plays clips i, i+N, i+2N, ... (mod clips) whatever the
-    outcomes, so the plan is fixed in advance: plan[i][k] = (clip, episode index) for env i's k-th episode, or None
-    (played, not kept). Each clip is kept episodes_per_clip times, earliest first."""
-    counts = [0] * num_clips
-    plan: list[list[tuple[int, int] | None]] = [[] for _ in range(num_envs)]
-    k = 0
-    while min(counts) < episodes_per_clip:
-        for i in range(num_envs):
-            c = (i + k * num_envs) % num_clips
-            plan[i].append((c, counts[c]) if counts[c] < episodes_per_clip else None)
-            counts[c] += plan[i][-1] is not None
-        k += 1
-    for p in plan:
-        while p and p[-1] is None:
-            p.pop()
-    return plan
+def episode_plan(num_envs: int, num_clips: int, episodes_per_clip: int) -> list[list[tuple[int, int]]]:
+    """Which episodes to keep: with start='frame0', env i plays clips i, i+N, i+2N, ... (mod clips) whatever the
+    outcomes, so plan[i][k] = (clip, episode index) of env i's k-th episode: each clip's first episodes_per_clip."""
+    return [[(j % num_clips, j // num_clips) for j in range(i, num_clips * episodes_per_clip, num_envs)]
+            for i in range(num_envs)]
 
 
-def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]], max_steps: int = 0):
+def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int]]], max_steps: int = 0):
     """Roll `policy` in `env` (start='frame0'; `obs` from its first reset or env.reseed(seed): a second reset would
     skip clips) and yield each planned episode as a dict: clip, episode, steps, RECORDED arrays [T,...] (numpy),
     failed, time_out, nan, truncated, pushes (steps of the episode that applied a push) and psi (its dynamics)."""
     n = env.num_envs
     k, start = [0] * n, [0] * n  # current episode of each env, and the step it started at
-    steps: list[dict] = []  # per control step: CPU copies of the [N,...] arrays; steps[0] is step `base`
-    base = 0
+    steps, base, step = [], 0, 0  # steps: per control step, CPU copies of the [N,...] arrays; steps[0] is step `base`
 
     def record(i: int, end: int, truncated: bool) -> dict:
         clip, episode = plan[i][k[i]]
@@ -644,27 +544,20 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int] | None]
                 "failed": bool(last["failed"][i]), "time_out": bool(last["time_out"][i]), "nan": bool(last["nan"][i]),
                 "pushes": int(col("pushed").sum()), "psi": {key: float(v[i]) for key, v in last["psi"].items()},
                 **{key: col(key).numpy() for key in RECORDED}}
-
-    step = 0
     while any(k[i] < len(plan[i]) for i in range(n)):
         if max_steps and step >= max_steps:
-            for i in range(n):
-                if k[i] < len(plan[i]) and plan[i][k[i]] is not None and step > start[i]:
-                    yield record(i, step, True)
+            yield from (record(i, step, True) for i in range(n) if k[i] < len(plan[i]) and step > start[i])
             return
         with torch.no_grad():  # not inference_mode: the env keeps the actions in its state, and reseed writes there
             obs, _, done, info = env.step(policy.act(obs))
-        entry = {key: getattr(env, key).detach().to("cpu", torch.float32).clone() for key in RECORDED}
-        entry.update({key: info[key].cpu() for key in ("clip", "failed", "time_out", "nan", "pushed")},
-                     psi={key: v.cpu() for key, v in info["psi"].items()})
-        steps.append(entry)
+        steps.append({**{key: getattr(env, key).detach().to("cpu", torch.float32).clone() for key in RECORDED},
+                      **{key: info[key].cpu() for key in ("failed", "time_out", "nan", "pushed")},
+                      "psi": {key: v.cpu() for key, v in info["psi"].items()}})
         step += 1
         for i in done.nonzero().flatten().tolist():
             if k[i] < len(plan[i]):
-                if plan[i][k[i]] is not None:
-                    yield record(i, step, False)
-                k[i] += 1
-                start[i] = step
+                yield record(i, step, False)
+                k[i], start[i] = k[i] + 1, step
         keep_from = min([start[i] for i in range(n) if k[i] < len(plan[i])], default=step)
         del steps[:keep_from - base]
         base = keep_from
@@ -678,104 +571,79 @@ def evaluate_seed(env, policy, ckpt: dict, path, label: str, setting: Setting, s
     reads = {"teacher": student.TEACHER_ACTOR_OBS, "student": student.STUDENT_OBS}[ckpt["kind"]]  # its policy's inputs
     teacher.check_layout(path, ckpt["obs_layout"], env.obs_layout, reads)
     for rec in run_episodes(env, obs, policy, plan, max_steps):
-        clip, command = clips[rec["clip"]], kinds[rec["clip"]]
-        metrics = episode_metrics(rec, command=command)
-        if rec["failed"]:  # an early end (the env's failure test or a blow-up) is never a success
-            metrics.update({k: 0.0 for k in ("success", "success_strict") if math.isfinite(metrics[k])})
-        row = {"label": label, "ckpt": str(path), "kind": ckpt["kind"], "setting": setting.name, "sim": setting.sim,
-               "dr": int(setting.dr), "terrain": setting.terrain, "seed": seed, "command": command,
-               "motion": motion_name(clip), "clip": clip, "episode": rec["episode"], "steps": rec["steps"],
-               "duration_s": rec["steps"] * envs.CONTROL_DT_S, **metrics,
-               "fell": float(rec["failed"]), "time_out": int(rec["time_out"]), "nan": int(rec["nan"]),
-               "truncated": int(rec["truncated"]), "pushes": rec["pushes"],
-               **{f"psi_{k}": v for k, v in rec["psi"].items()}}
-        yield row, rec
+        yield episode_row(rec, label, path, ckpt["kind"], setting, seed, clips[rec["clip"]], kinds[rec["clip"]]), rec
 
 
-def deploy_setting(drift_mps: float) -> Setting:
-    return Setting("deploy" + (f"+drift{drift_mps:g}" if drift_mps else ""), "mujoco", False, "flat", False, drift_mps)
+def episode_row(rec: dict, label: str, path, kind: str, setting: Setting, seed: int, clip: str, command: str) -> dict:
+    """The episodes.csv row of an episode as run_episodes records it; an early end is never a success."""
+    metrics = episode_metrics(rec, command=command)
+    if rec["failed"]:
+        metrics.update({k: 0.0 for k in ("success", "success_strict") if math.isfinite(metrics[k])})
+    return {"label": label, "ckpt": str(path), "kind": kind, "setting": setting.name, "sim": setting.sim,
+            "dr": int(setting.dr), "terrain": setting.terrain, "seed": seed, "command": command,
+            "motion": motion_name(clip), "clip": clip, "episode": rec["episode"], "steps": rec["steps"],
+            "duration_s": rec["steps"] * envs.CONTROL_DT_S, **metrics, "fell": float(rec["failed"]),
+            "time_out": int(rec["time_out"]), "nan": int(rec["nan"]), "truncated": int(rec["truncated"]),
+            "pushes": rec["pushes"], **{f"psi_{k}": v for k, v in rec["psi"].items()}}
 
 
 def deploy_rows(onnx_path, label: str, setting: Setting, seeds, motion_paths: list[pathlib.Path], kinds: list[str]):
-    """deploy.py's episodes of an exported student (robot motions: a keypoint command has no robot start state), each
-    scored against the env's own 50 Hz reference (envs.MotionLib) like every other setting. Without drift the physics
-    is deterministic: one episode per clip; with drift one per clip and seed (its direction)."""
+    """deploy.py's episodes of an exported student on the robot motions (a keypoint command has no start state), scored
+    against envs.MotionLib's 50 Hz reference: one per clip, and per seed (the drift's direction) with drift."""
     import deploy
-    policy = deploy.Policy(onnx_path)
-    robot = deploy.Robot(policy)
-    for path, kind in zip(motion_paths, kinds):
-        if kind != ROBOT:
-            continue
+    robot = deploy.Robot(policy := deploy.Policy(onnx_path))
+    for path in (p for p, kind in zip(motion_paths, kinds) if kind == ROBOT):
         command, reference = deploy.Command(path, policy), envs.MotionLib([path], "cpu")
         for seed in seeds if setting.deploy_drift_mps else seeds[:1]:
             rec = deploy.run_episode(policy, command, robot, setting.deploy_drift_mps, seed)
             steps = len(rec["body_pos_w"])
             ticks = torch.arange(1, steps + 1)  # the states after steps 1..T
             ref = reference.at_tick(torch.zeros_like(ticks), ticks)
-            rec.update(ref_body_pos_w=ref["body_pos"].numpy(), ref_body_quat_w=ref["body_quat"].numpy())
-            metrics = episode_metrics(rec)
-            failed = steps < command.num_ticks - 1
-            if failed:
-                metrics.update(success=0.0, success_strict=0.0)
-            yield {"label": label, "ckpt": str(onnx_path), "kind": "student_onnx", "setting": setting.name,
-                   "sim": "mujoco", "dr": 0, "terrain": "flat", "seed": seed, "command": kind,
-                   "motion": motion_name(path.stem), "clip": path.stem, "episode": 0, "steps": steps,
-                   "duration_s": steps * envs.CONTROL_DT_S, **metrics, "fell": float(failed),
-                   "time_out": int(not failed), "nan": int(not np.isfinite(rec["body_pos_w"]).all()), "truncated": 0,
-                   "pushes": 0}
+            failed = steps < command.num_ticks - 1  # deploy.py stops at the failure test
+            rec.update(ref_body_pos_w=ref["body_pos"].numpy(), ref_body_quat_w=ref["body_quat"].numpy(), episode=0,
+                       steps=steps, failed=failed, time_out=not failed, nan=not np.isfinite(rec["body_pos_w"]).all(),
+                       truncated=False, pushes=0, psi={})
+            yield episode_row(rec, label, onnx_path, "student_onnx", setting, seed, path.stem, ROBOT)
 
 
-# The parity check: the inputs deploy.py builds vs the env's observations of the same MuJoCo state (float64 readings
-# vs the env's float32), and the ONNX graph's alpha vs the torch student's.
-PARITY_TOLERANCE = {"inputs": 1e-4, "alpha": 1e-3}  # m, rad, rad/s; rad
-
-
-def proprio_field(i: int) -> str:
-    """The name of entry i of a student_proprio / history row (DEPLOY_INPUTS)."""
-    fields = ([f"joint pos {n}" for n in ssjr.DOF_NAMES] + [f"joint vel {n}" for n in ssjr.DOF_NAMES]
-              + [f"gyro[{k}]" for k in range(3)] + [f"gravity[{k}]" for k in range(3)]
-              + [f"alpha {n}" for n in ssjr.DOF_NAMES])
-    return fields[i]
+# parity: deploy.py's float64 inputs vs the env's float32 observations (m, rad, rad/s); ONNX vs torch alpha (rad)
+PARITY_TOLERANCE = {"inputs": 1e-4, "alpha": 1e-3}
+PROPRIO_FIELDS = ([f"joint {q} {n}" for q in ("pos", "vel") for n in ssjr.DOF_NAMES] + [f"gyro[{k}]" for k in range(3)]
+                  + [f"gravity[{k}]" for k in range(3)] + [f"alpha {n}" for n in ssjr.DOF_NAMES])  # a proprio row
 
 
 def parity(args: Args) -> str:
     """See Args.parity. Returns the verdict line (also printed)."""
     import deploy
     if len(args.ckpt) != 1 or len(args.onnx) != 1:
-        raise InputError("--parity", "give one student checkpoint (--ckpt) and its export (--onnx)")
+        raise ssjr.InputError("--parity", "give one student checkpoint (--ckpt) and its export (--onnx)")
     torch_policy, ckpt = load_policy(args.ckpt[0], "cpu")
     if ckpt["kind"] != "student":
-        raise InputError(args.ckpt[0], "--parity compares a student with its ONNX export: this is a teacher")
-    onnx_policy = deploy.Policy(args.onnx[0])
-    path = resolve_motions(args.motions, args.packet_dir)[0]
+        raise ssjr.InputError(args.ckpt[0], "--parity compares a student with its ONNX export: this is a teacher")
+    onnx_policy, path = deploy.Policy(args.onnx[0]), resolve_motions(args.motions, args.packet_dir)[0]
     verdict, worst = "", {}
     with opened_env(ckpt["env_cfg"], parse_setting("mujoco", "mujoco"), [path], 1, "cpu", seed=0) as env:
-        obs = env.reseed(0)
-        command = deploy.Command(path, onnx_policy)
+        obs, command = env.reseed(0), deploy.Command(path, onnx_policy)
         command.keypoints_w = command.keypoints_w + env.ref_offset[0].numpy()  # the env places the clip on a tile
         robot, data = deploy.Robot(onnx_policy), env.sim.datas[0]  # deploy's readings of the env's own MuJoCo state
         reading = robot.read(data)
         controller = deploy.Controller(onnx_policy, reading, command.start_q)
         for t in range(args.max_steps or command.num_ticks - 1):
             inputs = controller.inputs(reading, command)
-            alpha_onnx, y_onnx = onnx_policy(inputs)
-            alpha = torch_policy.act(obs)
+            (alpha_onnx, y_onnx), alpha = onnx_policy(inputs), torch_policy.act(obs)
             pos, quat = (x[0, 0] for x in env.sim.body_state()[:2])
             window = env.reference(env.window_steps)["body_pos"][0, :len(onnx_policy.keypoint_steps)]
-            terms = [("student_proprio", obs["student_proprio"][0]), ("history", obs["history"][0]),
-                     ("history_mask", obs["history_mask"][0]), ("terrain", obs["terrain"][0]),
-                     ("root_pos_w", pos), ("root_quat_w", quat), ("keypoints_w", window[:, env.keypoint_ids]),
-                     ("student_keypoints (Y_t in the graph)", obs["student_keypoints"][0]), ("alpha", alpha[0])]
+            terms = [(k, obs[k][0]) for k in ("student_proprio", "history", "history_mask", "terrain")] + [
+                ("root_pos_w", pos), ("root_quat_w", quat), ("keypoints_w", window[:, env.keypoint_ids]),
+                ("student_keypoints (Y_t in the graph)", obs["student_keypoints"][0]), ("alpha", alpha[0])]
             for name, theirs in terms:
                 mine = {"student_keypoints (Y_t in the graph)": y_onnx, "alpha": alpha_onnx}.get(name, inputs.get(name))
                 err = np.abs(np.asarray(mine, np.float64) - theirs.double().numpy())
                 worst[name] = max(worst.get(name, 0.0), float(err.max()))
-                tolerance = PARITY_TOLERANCE["alpha" if name == "alpha" else "inputs"]
-                if err.max() > tolerance:
+                if err.max() > (tol := PARITY_TOLERANCE["alpha" if name == "alpha" else "inputs"]):
                     index = [int(i) for i in np.unravel_index(err.argmax(), err.shape)]
-                    field = f" ({proprio_field(index[-1])})" if name in ("student_proprio", "history") else ""
-                    verdict = (f"step {t}: {name}{index}{field} differs: max error {err.max():.3g} "
-                               f"(tolerance {tolerance:g})")
+                    field = f" ({PROPRIO_FIELDS[index[-1]]})" if name in ("student_proprio", "history") else ""
+                    verdict = f"step {t}: {name}{index}{field} differs: max error {err.max():.3g} (tolerance {tol:g})"
                     break
             if verdict:
                 break
@@ -796,25 +664,25 @@ def main(args: Args) -> dict:
     stems = [pathlib.Path(p).stem for p in args.ckpt]
     ckpt_labels = list(args.labels) or (stems if len(set(stems)) == len(stems) else list(args.ckpt))
     if len(ckpt_labels) != len(args.ckpt):
-        raise InputError("--labels", f"one name per checkpoint: {ckpt_labels} for {list(args.ckpt)}")
+        raise ssjr.InputError("--labels", f"one name per checkpoint: {ckpt_labels} for {list(args.ckpt)}")
     if not ((args.ckpt or args.onnx) and args.seeds and min(args.seeds) >= 0 and min(args.num_envs, args.episodes) > 0
             and len({*args.seeds}) == len(args.seeds) and len({*args.ckpt}) == len(args.ckpt)):
-        raise InputError("--ckpt/--seeds/--num-envs/--episodes", "give distinct checkpoints, distinct seeds >= 0, >= 1 "
-                                                                 "env and episode")
+        raise ssjr.InputError("--ckpt/--seeds/--num-envs/--episodes",
+                              "give distinct checkpoints, distinct seeds >= 0, >= 1 env and episode")
     onnx_labels = list(args.onnx_labels) or [pathlib.Path(p).stem for p in args.onnx]
     if len(onnx_labels) != len(args.onnx):
-        raise InputError("--onnx-labels", f"one name per ONNX file: {onnx_labels} for {list(args.onnx)}")
+        raise ssjr.InputError("--onnx-labels", f"one name per ONNX file: {onnx_labels} for {list(args.onnx)}")
     if args.parity:
         return {"parity": parity(args)}
     labels = list(dict.fromkeys(ckpt_labels + onnx_labels))
     train_sim = [teacher.load_checkpoint(p) for p in args.ckpt][0]["env_cfg"]["sim"] if args.ckpt else "genesis"
     settings = [parse_setting(t, train_sim) for t in args.settings] if args.ckpt else []
-    deploy_settings = [deploy_setting(v) for v in args.root_drift_mps] if args.onnx else []
+    deploy_settings = [Setting("deploy" + (f"+drift{v:g}" if v else ""), "mujoco", False, "flat", False, v)
+                       for v in args.root_drift_mps] if args.onnx else []
     motion_paths = resolve_motions(args.motions, args.packet_dir)
     clips, kinds = [p.stem for p in motion_paths], [ssjr.packet_kind(p) for p in motion_paths]
     episodes = {s.name: args.episodes if s.dr else 1 for s in settings}  # without DR: near-identical starts
-    rows = []
-    bar = tqdm(total=len(args.ckpt) * len(args.seeds) * len(clips) * sum(episodes.values()), unit="episode")
+    rows, bar = [], tqdm(total=len(args.ckpt) * len(args.seeds) * len(clips) * sum(episodes.values()), unit="episode")
     for path, label in zip(args.ckpt, ckpt_labels):
         policy, ckpt = load_policy(path, args.device)
         for setting in settings:
@@ -840,9 +708,9 @@ def main(args: Args) -> dict:
     notes = coverage_notes(rows, list(args.ckpt), settings, {k: len(clips) * n * len(args.seeds)
                                                              for k, n in episodes.items()}, args.max_steps)
     settings += deploy_settings
-    order = {"ckpt": list(args.ckpt) + list(args.onnx), "setting": [s.name for s in settings], "clip": clips}
-    rows.sort(key=lambda r: (order["ckpt"].index(r["ckpt"]), order["setting"].index(r["setting"]), r["seed"],
-                             order["clip"].index(r["clip"]), r["episode"]))  # episodes finish in any order
+    ckpts, names = [*args.ckpt, *args.onnx], [s.name for s in settings]  # episodes finish in any order
+    rows.sort(key=lambda r: (ckpts.index(r["ckpt"]), names.index(r["setting"]), r["seed"], clips.index(r["clip"]),
+                             r["episode"]))
     for note in notes:
         warnings.warn(note)
     return write_outputs(args.out_dir, rows, labels, settings, args.alpha, tuple(notes))
@@ -867,5 +735,5 @@ def coverage_notes(rows: list[dict], ckpts: list[str], settings: list[Setting], 
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args))
-    except InputError as e:
+    except ssjr.InputError as e:
         sys.exit(f"error: {e}")

@@ -87,15 +87,13 @@ KEYPOINT_EDGES = ((0, 1), (1, 3), (0, 2), (2, 4), (0, 5), (0, 6), (5, 6), (5, 7)
 
 
 # --- 2. Rotation math. Quaternions are wxyz, unit, torch, any leading dims; rotation matrices act on column vectors.
-def quat_normalize(q: torch.Tensor) -> torch.Tensor:
-    """q / |q|."""
+def quat_normalize(q: torch.Tensor) -> torch.Tensor:  # q / |q|, for any last dim
     return q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
 def quat_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Hamilton product a * b (apply b first, then a)."""
-    aw, ax, ay, az = a.unbind(-1)
-    bw, bx, by, bz = b.unbind(-1)
+    (aw, ax, ay, az), (bw, bx, by, bz) = a.unbind(-1), b.unbind(-1)
     return torch.stack((aw * bw - ax * bx - ay * by - az * bz,
                         aw * bx + ax * bw + ay * bz - az * by,
                         aw * by - ax * bz + ay * bw + az * bx,
@@ -103,32 +101,27 @@ def quat_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def quat_conj(q: torch.Tensor) -> torch.Tensor:
-    """Conjugate = inverse of a unit quaternion."""
-    return torch.cat((q[..., :1], -q[..., 1:]), dim=-1)
+    return torch.cat((q[..., :1], -q[..., 1:]), dim=-1)  # the conjugate = the inverse of a unit quaternion
 
 
 def quat_apply(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Rotate vectors v [...,3] by q [...,4] (broadcasting)."""
-    u, w = q[..., 1:], q[..., :1]
-    u, v = torch.broadcast_tensors(u, v)
+    u, v = torch.broadcast_tensors(q[..., 1:], v)
     t = 2.0 * torch.linalg.cross(u, v, dim=-1)
-    return v + w * t + torch.linalg.cross(u, t, dim=-1)
+    return v + q[..., :1] * t + torch.linalg.cross(u, t, dim=-1)
 
 
-def quat_to_rotmat(q: torch.Tensor) -> torch.Tensor:
-    """[...,4] -> [...,3,3]."""
+def quat_to_rotmat(q: torch.Tensor) -> torch.Tensor:  # [...,4] -> [...,3,3]
     w, x, y, z = q.unbind(-1)
     return torch.stack((1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y),
                         2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x),
-                        2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)), dim=-1).reshape(
-        q.shape[:-1] + (3, 3))
+                        2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)), -1).unflatten(-1, (3, 3))
 
 
 def quat_from_axis_angle(axis: torch.Tensor, angle_rad: torch.Tensor) -> torch.Tensor:
     """Rotation by angle_rad [...] about axis [...,3] (normalized here)."""
-    axis = axis / axis.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     half = 0.5 * angle_rad[..., None]
-    return torch.cat((torch.cos(half), torch.sin(half) * axis), dim=-1)
+    return torch.cat((torch.cos(half), torch.sin(half) * quat_normalize(axis)), dim=-1)
 
 
 def quat_from_rotvec(rotvec: torch.Tensor) -> torch.Tensor:
@@ -152,12 +145,10 @@ def quat_slerp(q0: torch.Tensor, q1: torch.Tensor, t: torch.Tensor | float) -> t
     t = torch.as_tensor(t, dtype=q0.dtype, device=q0.device)[..., None]
     dot = (q0 * q1).sum(-1, keepdim=True)
     q1 = torch.where(dot < 0, -q1, q1)
-    dot = dot.abs().clamp(max=1.0)
-    theta = torch.acos(dot)
+    theta = torch.acos(dot.abs().clamp(max=1.0))
     sin_theta = torch.sin(theta)
     near = sin_theta < 1e-4  # nearly equal: plain lerp is exact enough and avoids 0/0
-    s0 = torch.where(near, 1 - t, torch.sin((1 - t) * theta) / sin_theta.clamp_min(1e-4))
-    s1 = torch.where(near, t, torch.sin(t * theta) / sin_theta.clamp_min(1e-4))
+    s0, s1 = (torch.where(near, w, torch.sin(w * theta) / sin_theta.clamp_min(1e-4)) for w in (1 - t, t))
     return quat_normalize(s0 * q0 + s1 * q1)
 
 
@@ -190,8 +181,7 @@ def quat_angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def rot6d(q: torch.Tensor) -> torch.Tensor:
     """Continuous 6D rotation feature: first two columns of the rotation matrix, [col0, col1] -> [...,6]."""
-    m = quat_to_rotmat(q)
-    return torch.cat((m[..., :, 0], m[..., :, 1]), dim=-1)
+    return torch.cat(quat_to_rotmat(q)[..., :2].unbind(-1), dim=-1)
 
 
 def root_relative(points_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> torch.Tensor:
@@ -201,82 +191,61 @@ def root_relative(points_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w:
 
 # --- 3. Forward kinematics straight from the MJCF tree (no physics engine): world pose of body i = parent pose * offset
 #    (pos, quat in the parent frame) * rotation about its hinge axis (the pinned G1 MJCF: hinges at the body origins).
-def _mjcf_defaults(root: ET.Element) -> dict[str, dict[str, dict[str, str]]]:
-    """class name -> tag -> attributes, with nested <default> classes inheriting from their parent class."""
-    table: dict[str, dict[str, dict[str, str]]] = {}
-
-    def visit(node: ET.Element, inherited: dict[str, dict[str, str]]) -> None:
-        own = table[node.get("class", "main")] = {tag: dict(attrs) for tag, attrs in inherited.items()}
-        for child in node:
-            if child.tag != "default":
-                own.setdefault(child.tag, {}).update(child.attrib)
-        for child in node.findall("default"):
-            visit(child, own)
-
-    for top in root.findall("default"):
-        visit(top, {})
-    return table
-
-
-def _vec(text: str | None, default: tuple[float, ...]) -> np.ndarray:
-    return np.array([float(v) for v in text.split()] if text else default, dtype=np.float64)
-
-
 class G1Kinematics:
     """Batched torch FK of the G1 MJCF (a tree of hinge joints under one free-floating root)."""
-
     def __init__(self, mjcf_path: str | os.PathLike | None = None, device: str | torch.device = "cpu"):
         root = ET.parse(mjcf_path or g1_mjcf_path()).getroot()
-        defaults = _mjcf_defaults(root)
-        names, parents, pos, quat, axis, lower, upper, dof_names = [], [], [], [], [], [], [], []
-        geoms: list[tuple[int, np.ndarray, np.ndarray, float]] = []  # collision geoms: body, end points, radius
-
-        def attrs(el: ET.Element, cls: str) -> dict[str, str]:
-            merged = dict(defaults.get(el.get("class", cls), {}).get(el.tag, {}))
-            merged.update(el.attrib)
-            return merged
-
+        defaults: dict[str, dict[str, dict[str, str]]] = {}  # <default> class name -> tag -> attributes
+        names, parents, pos, quat, axis, limits, dof_names = [], [], [], [], [], [], []
+        geoms: list[tuple[int, np.ndarray, float]] = []  # collision geoms: body, end points [2,3], radius
+        vec = lambda text, default: np.array([float(v) for v in text.split()] if text else default, float)  # noqa: E731
+        def add_defaults(node: ET.Element, inherited: dict[str, dict[str, str]]) -> None:  # nested classes inherit
+            own = defaults[node.get("class", "main")] = {tag: dict(attrs) for tag, attrs in inherited.items()}
+            for child in node:
+                if child.tag != "default":
+                    own.setdefault(child.tag, {}).update(child.attrib)
+            for child in node.findall("default"):
+                add_defaults(child, own)
+        def attrs(el: ET.Element, cls: str) -> dict[str, str]:  # the element's class defaults, then its own
+            return {**defaults.get(el.get("class", cls), {}).get(el.tag, {}), **el.attrib}
         def visit(body: ET.Element, parent: int, cls: str) -> None:
-            cls = body.get("childclass", cls)
-            i = len(names)
+            cls, i = body.get("childclass", cls), len(names)
             names.append(body.get("name"))
             parents.append(parent)
-            pos.append(_vec(body.get("pos"), (0, 0, 0)))
-            quat.append(_vec(body.get("quat"), (1, 0, 0, 0)))
+            pos.append(vec(body.get("pos"), (0, 0, 0)))
+            quat.append(vec(body.get("quat"), (1, 0, 0, 0)))
             axis.append(np.zeros(3))
             if parent >= 0:  # every body but the root: one hinge (radians)
                 j = attrs(body.find("joint"), cls)
                 dof_names.append(j["name"])
-                axis[-1] = _vec(j.get("axis"), (0, 0, 1))
-                lo, hi = _vec(j.get("range"), (-np.inf, np.inf))
-                lower.append(lo)
-                upper.append(hi)
+                axis[-1] = vec(j.get("axis"), (0, 0, 1))
+                limits.append(vec(j.get("range"), (-np.inf, np.inf)))
             for g in body.findall("geom"):
                 a = attrs(g, cls)
                 if a.get("contype", "1") == "0" and a.get("conaffinity", "1") == "0":
                     continue  # visual only
-                ends = _vec(a["fromto"], ()) if "fromto" in a else np.tile(_vec(a.get("pos"), (0, 0, 0)), 2)  # sphere
-                geoms.append((i, ends[:3], ends[3:], _vec(a.get("size"), (0,))[0]))
+                ends = vec(a["fromto"], ()) if "fromto" in a else np.tile(vec(a.get("pos"), (0, 0, 0)), 2)  # sphere
+                geoms.append((i, ends.reshape(2, 3), vec(a.get("size"), (0,))[0]))
             for child in body.findall("body"):
                 visit(child, i, cls)
 
+        for top in root.findall("default"):
+            add_defaults(top, {})
         visit(root.find("worldbody").find("body"), -1, "main")
         f32 = dict(dtype=torch.float32, device=device)
         self.body_names, self.dof_names, self.parents = tuple(names), tuple(dof_names), tuple(parents)
         self.offset_pos = torch.tensor(np.stack(pos), **f32)                  # [B,3] in the parent frame
         self.offset_quat = quat_normalize(torch.tensor(np.stack(quat), **f32))  # [B,4]
         self.joint_axis = torch.tensor(np.stack(axis), **f32)                 # [B,3] (row 0, the root: unused)
-        self.dof_lower_rad = torch.tensor(lower, **f32)                       # [29]
-        self.dof_upper_rad = torch.tensor(upper, **f32)
+        self.dof_lower_rad, self.dof_upper_rad = torch.tensor(np.stack(limits).T, **f32)  # [29] each
         self.geom_body = torch.tensor([g[0] for g in geoms], dtype=torch.long, device=device)
-        self.geom_ends = torch.tensor(np.stack([np.stack(g[1:3]) for g in geoms]), **f32)  # [G,2,3]
-        self.geom_radius = torch.tensor([g[3] for g in geoms], **f32)
+        self.geom_ends = torch.tensor(np.stack([g[1] for g in geoms]), **f32)  # [G,2,3]
+        self.geom_radius = torch.tensor([g[2] for g in geoms], **f32)
         self.default_root_pos = self.offset_pos[0].clone()  # the MJCF's standing pelvis position
 
     def local_rot(self, dof_pos: torch.Tensor) -> torch.Tensor:
         """[...,29] -> [...,29,4]: rotation of body i+1 relative to its parent (MJCF offset * hinge rotation)."""
-        hinge = quat_from_axis_angle(self.joint_axis[1:], dof_pos)
-        return quat_mul(self.offset_quat[1:], hinge)
+        return quat_mul(self.offset_quat[1:], quat_from_axis_angle(self.joint_axis[1:], dof_pos))
 
     def forward(self, root_pos: torch.Tensor, root_quat: torch.Tensor, dof_pos: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,8 +253,7 @@ class G1Kinematics:
         batch = torch.broadcast_shapes(root_pos.shape[:-1], root_quat.shape[:-1], dof_pos.shape[:-1])
         local = self.local_rot(dof_pos.expand(batch + (29,)))
         body_pos, body_quat = [root_pos.expand(batch + (3,))], [quat_normalize(root_quat).expand(batch + (4,))]
-        for i in range(1, len(self.parents)):
-            p = self.parents[i]
+        for i, p in enumerate(self.parents[1:], 1):
             body_pos.append(body_pos[p] + quat_apply(body_quat[p], self.offset_pos[i]))
             body_quat.append(quat_mul(body_quat[p], local[..., i - 1, :]))
         return torch.stack(body_pos, dim=-2), torch.stack(body_quat, dim=-2)
@@ -304,21 +272,18 @@ def keypoint_command(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_q
     """Y_t [...,H,J*3] (metres) from the command's world keypoints [...,H,J,3] (KEYPOINT_NAMES order, z up) and the
     robot's root pose at t (pelvis position [...,3], quaternion wxyz [...,4]; only its yaw is used): each keypoint
     minus the root position, rotated by -yaw about z."""
-    rel = root_relative(keypoints_w.flatten(-3, -2), root_pos_w, root_quat_w)
-    return rel.reshape(keypoints_w.shape[:-2] + (-1,))
+    return root_relative(keypoints_w.flatten(-3, -2), root_pos_w, root_quat_w).reshape(keypoints_w.shape[:-2] + (-1,))
 
 
-# --- 5. Loading: every loader turns one file into RobotMotion or HumanMotion clips (source frame rate, z-up, metres).
+# --- 5. Loading: every loader turns one file into RobotMotion (G1) or HumanMotion clips (source frame rate, z-up, m).
 class InputError(ValueError):
     """A user's mistake (bad file, flag or checkpoint): every script prints `error: <path or flag>: <problem>`."""
-
     def __init__(self, path: str | os.PathLike, problem: str):
         super().__init__(f"{path}: {problem}")
 
 
 @dataclass
 class RobotMotion:
-    """One G1 clip at its source frame rate."""
     name: str
     fps: float
     root_pos: np.ndarray   # [T,3] m, world z-up
@@ -328,23 +293,21 @@ class RobotMotion:
     notes: list[str] = field(default_factory=list)
 
 
+WRIST_DOF_IDS = (19, 20, 21, 26, 27, 28)  # the 6 wrist joints a 23-DoF G1 lacks
+DOF23_IDS = tuple(i for i in range(29) if i not in WRIST_DOF_IDS)
 # The human joints a mocap source must provide to become SSJR keypoint commands.
 HUMAN_JOINTS = ("pelvis", "left_hip", "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle",
                 "left_shoulder", "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist")
+SMPL_JOINT_IDS = (0, 1, 2, 4, 5, 7, 8, 16, 17, 18, 19, 20, 21)  # HUMAN_JOINTS in the SMPL/SMPL+H/SMPL-X body tree
 
 
 @dataclass
 class HumanMotion:
-    """One human clip at its source frame rate."""
     name: str
     fps: float
     joints: np.ndarray  # [T,13,3] HUMAN_JOINTS positions, m, z-up
     source: str
     notes: list[str] = field(default_factory=list)
-
-
-WRIST_DOF_IDS = (19, 20, 21, 26, 27, 28)  # the 6 wrist joints a 23-DoF G1 lacks
-DOF23_IDS = tuple(i for i in range(29) if i not in WRIST_DOF_IDS)
 
 
 def detect_format(path: pathlib.Path) -> str:
@@ -451,9 +414,6 @@ def load_phc_pkl(path: pathlib.Path, fps: float | None = None, allow_23dof: bool
                           allow_23dof) for key, c in lib.items()]
 
 
-SMPL_JOINT_IDS = (0, 1, 2, 4, 5, 7, 8, 16, 17, 18, 19, 20, 21)  # HUMAN_JOINTS in the SMPL/SMPL+H/SMPL-X body tree
-
-
 def load_smpl_model(path: pathlib.Path) -> dict[str, np.ndarray]:
     """The user's SMPL-family body model (.npz as shipped for AMASS, or a chumpy-free .pkl): rest joints + parents."""
     keys = ("v_template", "shapedirs", "J_regressor", "kintree_table")
@@ -470,8 +430,7 @@ def load_smpl_model(path: pathlib.Path) -> dict[str, np.ndarray]:
         raise InputError(path, f"cannot read the SMPL model ({type(e).__name__}: {e}); it needs {', '.join(keys)} "
                                f"(save a chumpy pickle as .npz)") from None
     regressor = model["J_regressor"]
-    parents = np.asarray(model["kintree_table"], np.int64)[0].copy()
-    parents[0] = -1
+    parents = np.r_[-1, np.asarray(model["kintree_table"], np.int64)[0, 1:]]  # the root's parent: -1
     return dict(v_template=np.asarray(model["v_template"], np.float64), parents=parents,
                 J_regressor=np.asarray(regressor.toarray() if hasattr(regressor, "toarray") else regressor, np.float64),
                 shapedirs=np.asarray(model["shapedirs"], np.float64))
@@ -487,8 +446,7 @@ def smpl_joints(model: dict[str, np.ndarray], poses: np.ndarray, trans: np.ndarr
     rot = quat_from_rotvec(torch.tensor(poses[:, :3 * nj].reshape(len(poses), nj, 3), dtype=torch.float64))
     rest_t = torch.tensor(rest, dtype=torch.float64)
     glob_q, glob_p = [rot[:, 0]], [rest_t[0] + torch.tensor(trans, dtype=torch.float64)]
-    for j in range(1, nj):
-        p = parents[j]
+    for j, p in enumerate(parents[1:nj], 1):
         glob_p.append(glob_p[p] + quat_apply(glob_q[p], rest_t[j] - rest_t[p]))
         glob_q.append(quat_mul(glob_q[p], rot[:, j]))
     return torch.stack(glob_p, dim=1).numpy()
@@ -539,12 +497,9 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
                 names.append(tokens[i + 1] if tok != "End" else f"{names[stack[-1]]}_end")
                 parents.append(stack[-1] if stack else -1)
                 offsets.append([float(v) for v in tokens[i + 4:i + 7]])
-                i += 7
-                if tokens[i] == "CHANNELS":
-                    channels.append(tokens[i + 2:i + 2 + int(tokens[i + 1])])
-                    i += 2 + int(tokens[i + 1])
-                else:
-                    channels.append([])
+                n = int(tokens[i + 8]) if tokens[i + 7] == "CHANNELS" else None  # an End Site has no CHANNELS
+                channels.append(tokens[i + 9:i + 9 + n] if n is not None else [])
+                i += 7 if n is None else 9 + n
                 stack.append(len(names) - 1)
             elif tok == "}":
                 stack.pop()
@@ -559,14 +514,13 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
         raise InputError(path, f"broken BVH hierarchy ({type(e).__name__}: {e})") from None
     n_chan = sum(len(c) for c in channels)
     if n_frames <= 0 or values.size != n_frames * n_chan:
-        raise InputError(path, f"BVH motion has {values.size} numbers, expected {n_frames} frames x {n_chan} "
-                                f"channels")
+        raise InputError(path, f"BVH motion has {values.size} numbers, expected {n_frames} frames x {n_chan} channels")
     if not np.isfinite(frame_time) or frame_time <= 0:
         raise InputError(path, f"invalid frame rate (Frame Time {frame_time})")
     motion, axes = torch.tensor(values.reshape(n_frames, n_chan)), torch.eye(3, dtype=torch.float64)
     glob_p, glob_q, col = [], [], 0
-    for j, chans in enumerate(channels):
-        local_p = torch.tensor(offsets[j], dtype=torch.float64).expand(n_frames, 3).clone()
+    for offset, chans, p in zip(offsets, channels, parents):
+        local_p = torch.tensor(offset, dtype=torch.float64).expand(n_frames, 3).clone()
         local_q = torch.tensor([1.0, 0, 0, 0], dtype=torch.float64).expand(n_frames, 4)
         for c in chans:  # rotations compose in the listed order (intrinsic), positions replace the offset
             axis = "XYZ".index(c[0].upper())
@@ -575,20 +529,16 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
             else:
                 local_p[:, axis] = motion[:, col]
             col += 1
-        p = parents[j]
         glob_p.append(local_p if p < 0 else glob_p[p] + quat_apply(glob_q[p], local_p))
         glob_q.append(local_q if p < 0 else quat_mul(glob_q[p], local_q))
     pos = torch.stack(glob_p, dim=1).numpy() * scale_m
     if up == "y":  # (x, y, z) y-up -> (x, -z, y) z-up: a proper rotation about x
         pos = np.stack((pos[..., 0], -pos[..., 2], pos[..., 1]), axis=-1)
     lower = {n.lower(): k for k, n in enumerate(names)}
-    ids = []
-    for joint, candidates in BVH_NAMES.items():
-        k = next((lower[c.lower()] for c in candidates if c.lower() in lower), None)
-        if k is None:
-            raise InputError(path, f"BVH has no joint for {joint} (tried {', '.join(candidates)})")
-        ids.append(k)
-    return [HumanMotion(path.stem, 1.0 / frame_time, pos[:, ids], str(path))]
+    found = {joint: [lower[c.lower()] for c in tried if c.lower() in lower] for joint, tried in BVH_NAMES.items()}
+    if missing := next((joint for joint, ks in found.items() if not ks), None):
+        raise InputError(path, f"BVH has no joint for {missing} (tried {', '.join(BVH_NAMES[missing])})")
+    return [HumanMotion(path.stem, 1.0 / frame_time, pos[:, [ks[0] for ks in found.values()]], str(path))]
 
 
 def load_motions(path: pathlib.Path, fmt: str = "auto", fps: float | None = None, allow_23dof: bool = False,
@@ -631,8 +581,7 @@ def repair_glitches(dof: np.ndarray, fps: float, max_rad_s: float, max_window_s:
     Returns (repaired dof, number of frames changed, bad frame mask)."""
     dof = dof.copy()
     fast = np.abs(np.diff(dof, axis=0)) * fps > max_rad_s  # [T-1,29]
-    changed, bad = np.zeros(len(dof), bool), np.zeros(len(dof), bool)
-    last = len(dof) - 1
+    (changed, bad), last = np.zeros((2, len(dof)), bool), len(dof) - 1
     for j in np.nonzero(fast.any(axis=0))[0]:
         covered = -1
         for k in np.nonzero(fast[:, j])[0]:
@@ -692,6 +641,9 @@ PACKET_KEYS = ("fps", "body_names", "dof_names", "body_pos_w", "body_rotmat_w", 
                "keypoint_names", "text", "source", "license")
 HUMAN_KEYS = ("fps", "kind", "keypoint_names", "keypoints_w", "root_pos_w", "root_quat_w", "body_pos_w", "body_quat_w",
               "body_lin_vel_w", "body_ang_vel_w", "dof_pos", "dof_vel", "text", "source", "license")
+# A neutral standing pose (rad): the joint angles of a keypoint command's reference (a human motion gives none).
+STANCE_RAD = {"hip_pitch": -0.31, "knee": 0.67, "ankle_pitch": -0.36, "shoulder_pitch": 0.2, "elbow": 0.6,
+              "left_shoulder_roll": 0.2, "right_shoulder_roll": -0.2}
 
 
 def robot_packet(kin: G1Kinematics, root_pos: np.ndarray, root_quat: np.ndarray, dof_pos: np.ndarray,
@@ -699,17 +651,16 @@ def robot_packet(kin: G1Kinematics, root_pos: np.ndarray, root_quat: np.ndarray,
     """FK + velocities for a [T] motion (T >= 2) -> packet arrays (float32; metadata is added by the caller)."""
     f32, dt_s = dict(dtype=torch.float32), 1.0 / fps
     rp, rq, q = torch.tensor(root_pos, **f32), torch.tensor(root_quat, **f32), torch.tensor(dof_pos, **f32)
-    with torch.no_grad():
-        body_pos, body_quat = kin.forward(rp, rq, q)
-        lin_vel = torch.gradient(body_pos, spacing=dt_s, dim=0)[0]
-        # world angular velocity: central differences log(q_t+1 q_t-1^-1) / 2dt inside, one-sided at the two ends
-        ends = quat_to_rotvec(quat_mul(body_quat[1:], quat_conj(body_quat[:-1]))) / dt_s
-        inner = quat_to_rotvec(quat_mul(body_quat[2:], quat_conj(body_quat[:-2]))) / (2 * dt_s)
-        ang_vel = torch.cat((ends[:1], inner, ends[-1:]), dim=0)
-        packet = dict(body_pos_w=body_pos, body_rotmat_w=quat_to_rotmat(body_quat), body_quat_w=body_quat,
-                      body_lin_vel_w=lin_vel, body_ang_vel_w=ang_vel, local_rot=kin.local_rot(q),
-                      root_lin_vel_w=lin_vel[:, 0], root_ang_vel_w=ang_vel[:, 0], dof_pos=q,
-                      dof_vel=torch.gradient(q, spacing=dt_s, dim=0)[0])
+    body_pos, body_quat = kin.forward(rp, rq, q)
+    lin_vel = torch.gradient(body_pos, spacing=dt_s, dim=0)[0]
+    # world angular velocity: central differences log(q_t+1 q_t-1^-1) / 2dt inside, one-sided at the two ends
+    ends = quat_to_rotvec(quat_mul(body_quat[1:], quat_conj(body_quat[:-1]))) / dt_s
+    inner = quat_to_rotvec(quat_mul(body_quat[2:], quat_conj(body_quat[:-2]))) / (2 * dt_s)
+    ang_vel = torch.cat((ends[:1], inner, ends[-1:]), dim=0)
+    packet = dict(body_pos_w=body_pos, body_rotmat_w=quat_to_rotmat(body_quat), body_quat_w=body_quat,
+                  body_lin_vel_w=lin_vel, body_ang_vel_w=ang_vel, local_rot=kin.local_rot(q),
+                  root_lin_vel_w=lin_vel[:, 0], root_ang_vel_w=ang_vel[:, 0], dof_pos=q,
+                  dof_vel=torch.gradient(q, spacing=dt_s, dim=0)[0])
     return {k: v.numpy() for k, v in packet.items()}
 
 
@@ -718,19 +669,15 @@ def human_to_g1_keypoints(kin: G1Kinematics, joints: np.ndarray) -> tuple[np.nda
     limb directions, take the G1's own offsets and bone lengths (zero pose), scale the root path by the leg-length
     ratio, put the feet on the ground. -> keypoints_w [T,J,3] (KEYPOINT_NAMES), root pos [T,3], heading quat [T,4]."""
     h = {n: torch.tensor(joints[:, k], dtype=torch.float32) for k, n in enumerate(HUMAN_JOINTS)}
-    with torch.no_grad():
-        zero_pos, zero_quat = kin.forward(kin.default_root_pos, torch.tensor([1.0, 0, 0, 0]), torch.zeros(29))
+    zero_pos, zero_quat = kin.forward(kin.default_root_pos, torch.tensor([1.0, 0, 0, 0]), torch.zeros(29))
     g = {n: zero_pos[BODY_NAMES.index(n)] - zero_pos[0] for n in BODY_NAMES}  # G1 zero pose, pelvis frame = world
     unit = lambda v: v / v.norm(dim=-1, keepdim=True).clamp_min(1e-9)  # noqa: E731
     length = lambda a, b: (g[a] - g[b]).norm()  # noqa: E731
-
     up = unit(0.5 * (h["left_shoulder"] + h["right_shoulder"]) - h["pelvis"])
-
     def frame(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:  # columns: forward, left, up
         y = unit(left - right)
         x = unit(torch.linalg.cross(y, up, dim=-1))
         return torch.stack((x, y, torch.linalg.cross(x, y, dim=-1)), dim=-1)
-
     pelvis_rot, torso_rot = frame(h["left_hip"], h["right_hip"]), frame(h["left_shoulder"], h["right_shoulder"])
     leg_h = ((h["left_knee"] - h["left_hip"]).norm(dim=-1) + (h["left_ankle"] - h["left_knee"]).norm(dim=-1) +
              (h["right_knee"] - h["right_hip"]).norm(dim=-1) + (h["right_ankle"] - h["right_knee"]).norm(dim=-1))
@@ -760,20 +707,14 @@ def human_to_g1_keypoints(kin: G1Kinematics, joints: np.ndarray) -> tuple[np.nda
     return keypoints.numpy(), keypoints[:, 0].numpy(), heading.numpy()
 
 
-# A neutral standing pose (rad): the joint angles of a keypoint command's reference (a human motion gives none).
-STANCE_RAD = {"hip_pitch": -0.31, "knee": 0.67, "ankle_pitch": -0.36, "shoulder_pitch": 0.2, "elbow": 0.6,
-              "left_shoulder_roll": 0.2, "right_shoulder_roll": -0.2}
-
-
 def stance_reference(kin: G1Kinematics, keypoints_w: np.ndarray, root_quat_w: np.ndarray, fps: float = FPS) -> dict:
     """A keypoint command as a reference the env can start from and run: the stance at the command's root pose, its
     SSJR keypoint bodies moved to the command's points. Only the keypoints are meaningful (the env scores and ends
     such episodes by the keypoint error)."""
     stance = [next((v for k, v in STANCE_RAD.items() if name.endswith(k + "_joint")), 0.0) for name in DOF_NAMES]
     dof = np.broadcast_to(np.array(stance, np.float32), (len(keypoints_w), NUM_DOF)).copy()
-    with torch.no_grad():
-        pos, quat = kin.forward(torch.as_tensor(keypoints_w[:, KEYPOINT_NAMES.index("pelvis")]),
-                                torch.as_tensor(root_quat_w), torch.as_tensor(dof))
+    pos, quat = kin.forward(torch.as_tensor(keypoints_w[:, KEYPOINT_NAMES.index("pelvis")]),
+                            torch.as_tensor(root_quat_w), torch.as_tensor(dof))
     pos = pos.numpy().copy()
     pos[:, list(KEYPOINT_BODY_IDS)] = keypoints_w
     return {"body_pos_w": pos, "body_quat_w": quat.numpy(), "body_lin_vel_w": np.gradient(pos, 1.0 / fps, axis=0),
@@ -797,10 +738,8 @@ def write_atomic(path: str | os.PathLike, writer) -> pathlib.Path:
 def save_packet(path: str | os.PathLike, packet: dict) -> pathlib.Path:
     """Write a packet (robot, or kind='human_keypoints') as an uncompressed .npz: float arrays as float32, names as
     string arrays, text/source/license as strings."""
-    arrays = {}
-    for k, v in packet.items():
-        v = np.asarray(v)
-        arrays[k] = v.astype(np.float32) if v.dtype.kind in "fiu" and k != "kind" else v.astype(str)
+    arrays = {k: np.asarray(v) for k, v in packet.items()}
+    arrays = {k: v.astype(np.float32 if v.dtype.kind in "fiu" and k != "kind" else str) for k, v in arrays.items()}
     def write(tmp):
         with open(tmp, "wb") as f:  # a file handle keeps np.savez from appending a second '.npz'
             np.savez(f, **arrays)
@@ -843,38 +782,27 @@ class Convert:
     """Convert motion files (or folders of them) into SSJR packets / human keypoint commands."""
     src: tyro.conf.Positional[tuple[pathlib.Path, ...]]
     """motion files or folders (searched recursively for .csv .npz .pkl .bvh)"""
-    out: pathlib.Path = REPO / "data" / "packets"
-    """output folder (one .npz per 2-10 s segment, named <clip>_segNN.npz)"""
+    out: pathlib.Path = REPO / "data" / "packets"  # output folder (one .npz per 2-10 s segment, named <clip>_segNN.npz)
     format: Literal["auto", "g1csv", "mjlab", "phc", "amass", "bvh"] = "auto"
     """loader; auto = detect from the file content"""
     fps: float | None = None
     """source frame rate for files without one (CSV; G1 Moves 60 is also read from its manifest.json)"""
-    allow_23dof: bool = False
-    """map 23-DoF G1 data into the 29-DoF order with the 6 wrist joints at 0"""
+    allow_23dof: bool = False  # map 23-DoF G1 data into the 29-DoF order with the 6 wrist joints at 0
     smpl_model: pathlib.Path | None = None
     """SMPL-family body model (.npz/.pkl, licensed, not shipped) needed for AMASS files"""
-    bvh_scale_m: float = 0.056444
-    """metres per BVH unit (CMU/cgspeed 0.056444)"""
-    bvh_up: Literal["y", "z"] = "y"
-    """up axis of the BVH files"""
-    glitch_rad_s: float = 25.0
-    """joint speed above which a frame transition counts as an IK glitch"""
-    glitch_window_s: float = 0.25
-    """longest window a glitch repair may rewrite; longer -> the segment is dropped"""
+    bvh_scale_m: float = 0.056444  # metres per BVH unit (CMU/cgspeed 0.056444)
+    bvh_up: Literal["y", "z"] = "y"  # up axis of the BVH files
+    glitch_rad_s: float = 25.0  # joint speed above which a frame transition counts as an IK glitch
+    glitch_window_s: float = 0.25  # longest window a glitch repair may rewrite; longer -> the segment is dropped
     limit_tol_rad: float = 0.05
     """joint-limit excess clipped silently; beyond it the segment is dropped (paper: discard limit violations)"""
-    penetration_m: float = 0.02
-    """a frame penetrates the ground when its lowest collision point is this far below z = 0"""
+    penetration_m: float = 0.02  # a frame penetrates the ground when its lowest collision point is this far below z = 0
     max_penetration_frac: float = 0.05
     """drop a segment when more than this fraction of its frames penetrate (paper: 5%)"""
-    min_s: float = 2.0
-    """shortest segment kept (paper: 2 s)"""
-    max_s: float = 10.0
-    """longest segment (paper: 10 s); longer clips are split evenly"""
-    text: str = ""
-    """optional text description stored in every packet"""
-    license: str = ""
-    """license string stored in every packet; default: the SOURCE.txt found next to / above the file"""
+    min_s: float = 2.0  # shortest segment kept (paper: 2 s)
+    max_s: float = 10.0  # longest segment (paper: 10 s); longer clips are split evenly
+    text: str = ""  # optional text description stored in every packet
+    license: str = ""  # license string stored in every packet; default: the SOURCE.txt found next to / above the file
 
 
 @dataclass
@@ -972,8 +900,7 @@ def convert(args: Convert) -> list[ClipReport]:
         tempfile.TemporaryFile(dir=args.out).close()
     except OSError as e:
         raise InputError(args.out, f"output folder is not writable ({e.strerror or e})") from None
-    kin = G1Kinematics()
-    reports = []
+    kin, reports = G1Kinematics(), []
     written_from: dict[str, str] = {}  # output clip name -> its source: two sources must not share a name
     files = [f for s in args.src for f in ([s] if not s.is_dir() else sorted(  # folders: their motion files, sorted
         p for p in s.rglob("*") if p.suffix.lower() in (".csv", ".npz", ".pkl", ".bvh") and p.is_file()))]
@@ -1019,7 +946,6 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
     from matplotlib import animation, rcParams
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
     out_path = pathlib.Path(out_path)
     if out_path.suffix.lower() not in (".png", ".mp4", ".gif"):
         raise InputError(out_path, "render to .png, .mp4 or .gif")
@@ -1029,7 +955,6 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
              len(KEYPOINT_NAMES): KEYPOINT_EDGES}.get(pos.shape[1], ())
     every = pos if extra_points is None else np.concatenate((pos, extra_points), axis=1)
     half = max(0.5, np.abs(every[..., :2] - pos[:, :1, :2]).max() + 0.05, 0.5 * every[..., 2].max() + 0.05)
-
     def draw(ax, t: int) -> None:
         ax.cla()
         for a, b in edges:
@@ -1043,7 +968,6 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
         ax.view_init(elev=10, azim=-60)
         ax.tick_params(labelsize=6, pad=-3)
         ax.set_title(f"t = {t / fps:.2f} s", fontsize=9, pad=-2)
-
     png = out_path.suffix.lower() == ".png"
     n = min(8, len(pos)) if png else 1
     cols, rows = min(n, 4), int(np.ceil(n / 4))
@@ -1092,8 +1016,7 @@ def main() -> None:
     try:
         out = tyro.extras.subcommand_cli_from_dict({"convert": Convert, "show": show})
         if isinstance(out, Convert):
-            start = time.perf_counter()
-            reports = convert(out)
+            start, reports = time.perf_counter(), convert(out)
             kept = sum(1 for r in reports if r.kept)
             dropped = dict(sum((collections.Counter(r.dropped) for r in reports), collections.Counter()))
             print(f"clips: {len(reports)} in, {kept} kept, {len(reports) - kept} dropped; segments: "

@@ -62,77 +62,49 @@ from ssjr import InputError
 @dataclass
 class Args:
     """Online DAgger distillation of a teacher.py checkpoint into the deployable student."""
-    preset: str = "paper"
-    """'paper' (the defaults below, GPU) or 'cpu' (a 2-core CPU)"""
-    teacher_ckpt: str = ""
-    """the frozen teacher (teacher.py checkpoint); it also fixes the env configuration"""
-    exp_name: str = "student"
-    """name of this experiment (run folder prefix)"""
-    seed: int = 0
-    """seed of torch, numpy, random and the env (rank r of a torchrun job uses seed + r)"""
-    device: str = ""
-    """torch / simulation device ('': cuda, or a resumed run's own; cuda without a GPU is an error)"""
-    amp: bool = False
-    """bf16 autocast of the forward passes (CUDA)"""
-    torch_threads: int = 0
-    """intra-op CPU threads of torch (0: torch's default)"""
-    num_envs: int = 256
-    """parallel environments per rank"""
+    preset: str = "paper"  # 'paper' (the defaults below, GPU) or 'cpu' (a 2-core CPU)
+    teacher_ckpt: str = ""  # the frozen teacher (teacher.py checkpoint); it also fixes the env configuration
+    exp_name: str = "student"  # name of this experiment (run folder prefix)
+    seed: int = 0  # seed of torch, numpy, random and the env (rank r of a torchrun job uses seed + r)
+    device: str = ""  # torch / simulation device ('': cuda, or a resumed run's own; cuda without a GPU is an error)
+    amp: bool = False  # bf16 autocast of the forward passes (CUDA)
+    torch_threads: int = 0  # intra-op CPU threads of torch (0: torch's default)
+    num_envs: int = 256  # parallel environments per rank
     performance_mode: bool = False
     """Genesis: kernels compiled for this num_envs (2x faster CPU physics; ~70 s compile at every start)"""
-    total_env_steps: int = 100_000_000
-    """control steps to distil for (all envs together)"""
-    num_steps: int = 32
-    """rollout length per env per iteration"""
-    minibatch_size: int = 2048
-    """samples per gradient step and rank (gradients averaged over ranks)"""
-    update_epochs: int = 6
-    """passes per iteration, each over one rollout's worth of samples drawn from the data set"""
-    max_grad_norm: float = 1.0
-    """gradient clipping"""
-    checkpoint_every: int = 50
-    """iterations between checkpoints"""
-    resume: str = ""
-    """checkpoint of this script to continue from (only --total-env-steps and the device may change)"""
-    run_dir: str = ""
-    """where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})"""
+    total_env_steps: int = 100_000_000  # control steps to distil for (all envs together)
+    num_steps: int = 32  # rollout length per env per iteration
+    minibatch_size: int = 2048  # samples per gradient step and rank (gradients averaged over ranks)
+    update_epochs: int = 6  # passes per iteration, each over one rollout's worth of samples drawn from the data set
+    max_grad_norm: float = 1.0  # gradient clipping
+    checkpoint_every: int = 50  # iterations between checkpoints
+    resume: str = ""  # checkpoint of this script to continue from (only --total-env-steps and the device may change)
+    run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
     buffer_iterations: int = 1
     """DAgger's data set: the (student inputs, teacher label) samples of the last this many rollouts (not checkpointed:
     a resumed run refills it)"""
-    sim: str = ""
-    """engine to distil on: isaaclab | genesis | mujoco ('' = the teacher's)"""
-    motions: str = ""
-    """SSJR packet folder or file ('' = the teacher's motions)"""
+    sim: str = ""  # engine to distil on: isaaclab | genesis | mujoco ('' = the teacher's)
+    motions: str = ""  # SSJR packet folder or file ('' = the teacher's motions)
     hcdr: Literal["finetune", "teacher", "scratch", "none"] = "finetune"
     """m_t of the student: the teacher's HCDR trained on with the DAgger loss | the teacher's, frozen | its own from
     scratch (ablation) | none (the 'w/o HCDR' ablation)"""
-    lr: float = 2e-5
-    """Adam learning rate at the start, decayed linearly to 0 at total_env_steps"""
+    lr: float = 2e-5  # Adam learning rate at the start, decayed linearly to 0 at total_env_steps
     beta: float = 0.0
     """beta_0: probability that the executed action is the teacher's (0: the student drives from the start)"""
-    beta_decay: float = 1.0
-    """beta of iteration i = beta_0 * beta_decay^(i-1)"""
+    beta_decay: float = 1.0  # beta of iteration i = beta_0 * beta_decay^(i-1)
     action_std: float = 0.1
     """std (rad) of Gaussian noise on the student's executed PD targets in the rollouts (rsl_rl samples its student
     with std 0.1): the student visits states off its own path and the teacher labels them (0: deterministic)"""
     d_model: int | None = None
     """transformer width (None: the teacher's, as all sizes below: the paper's student has the teacher's backbone)"""
-    num_layers: int | None = None
-    """transformer encoder layers"""
-    num_heads: int | None = None
-    """attention heads"""
-    ff_dim: int | None = None
-    """transformer feed-forward width"""
-    head_dim: int | None = None
-    """action head MLP width (3 layers)"""
-    terrain_dim: int | None = None
-    """terrain encoder MLP width (2 layers)"""
-    hcdr_queries: int | None = None
-    """HCDR learnable query tokens N"""
-    hcdr_dim: int | None = None
-    """HCDR token size d_m"""
-    hcdr_layers: int | None = None
-    """HCDR Q-Former layers"""
+    num_layers: int | None = None  # transformer encoder layers
+    num_heads: int | None = None  # attention heads
+    ff_dim: int | None = None  # transformer feed-forward width
+    head_dim: int | None = None  # action head MLP width (3 layers)
+    terrain_dim: int | None = None  # terrain encoder MLP width (2 layers)
+    hcdr_queries: int | None = None  # HCDR learnable query tokens N
+    hcdr_dim: int | None = None  # HCDR token size d_m
+    hcdr_layers: int | None = None  # HCDR Q-Former layers
 
 
 PRESETS = {
@@ -146,8 +118,7 @@ PRESETS = {
 
 @dataclass
 class Preset:
-    preset: str = "paper"
-    """the defaults: paper (the paper's configuration, GPU) or cpu (a 2-core CPU); flags override"""
+    preset: str = "paper"  # the defaults: paper (the paper's configuration, GPU) or cpu (a 2-core CPU); flags override
 
 
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "ff_dim", "head_dim", "terrain_dim", "hcdr_queries", "hcdr_dim",
@@ -166,6 +137,9 @@ class StudentPolicy(nn.Module):
         self.actor = teacher.TokenPolicy(layout, ("student_proprio", "student_keypoints"), args,
                                          hcdr=args.hcdr != "none")
         self.register_buffer("alpha_0", torch.zeros(ssjr.NUM_DOF))  # nominal pose (see the module docstring)
+        if args.hcdr == "teacher":  # the teacher's HCDR (share_teacher_hcdr), frozen with its history normalizer
+            self.actor.hcdr.requires_grad_(False)
+            self.actor.history_frozen = True
 
     def forward(self, obs: dict) -> torch.Tensor:
         return self.alpha_0 + self.actor(obs)
@@ -177,7 +151,7 @@ class StudentPolicy(nn.Module):
 
 
 def share_teacher_hcdr(policy: StudentPolicy, teacher_agent, path):
-    """The student's HCDR (and its history normalizer) := the teacher's (freeze_hcdr keeps them so)."""
+    """The student's HCDR and history normalizer := the teacher's (frozen by StudentPolicy for --hcdr teacher)."""
     src, dst = teacher_agent.actor, policy.actor
     if src.hcdr is None:
         raise InputError(path, "the teacher has no HCDR to share: use the student's --hcdr scratch or none")
@@ -187,12 +161,6 @@ def share_teacher_hcdr(policy: StudentPolicy, teacher_agent, path):
         raise InputError(path, "the teacher's HCDR has other sizes than the student's: leave --hcdr-* and --d-model "
                                "at their defaults (the teacher's)") from None
     dst.history_norm.load_state_dict(src.history_norm.state_dict())
-
-
-def freeze_hcdr(policy: StudentPolicy):
-    """A frozen HCDR keeps its weights and its history normalizer (TokenPolicy.update_norms skips it)."""
-    policy.actor.hcdr.requires_grad_(False)
-    policy.actor.history_frozen = True
 
 
 def dagger_update(policy: nn.Module, optimizer, b_obs: dict, b_labels: torch.Tensor, per_epoch: int,
@@ -296,8 +264,6 @@ def train(args: Args, env=None) -> pathlib.Path:
     layout = env.obs_layout
     teacher.check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
     policy = StudentPolicy(layout, args).to(device)
-    if args.hcdr == "teacher":  # before the optimizer: it gets the trained parameters only
-        freeze_hcdr(policy)
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=1e-5)
     global_step, iteration = 0, 0
     if resume is not None:
@@ -404,8 +370,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             global_step += per_iteration
             collected += 1
 
-            # ALGO LOGIC: regress alpha_2 onto alpha_1 over the data set (the rollouts collected so far, at most
-            # buffer_iterations)
+            # ALGO LOGIC: regress alpha_2 onto alpha_1 over the data set (the last buffer_iterations rollouts at most)
             filled = min(collected, args.buffer_iterations) * T * n
             epoch_losses = dagger_update(learner, optimizer, {k: v[:filled] for k, v in data_obs.items()},
                                          data_labels[:filled], T * n, args, amp, world)
@@ -438,8 +403,7 @@ def train(args: Args, env=None) -> pathlib.Path:
                 print(f"it {iteration} step {global_step:,}/{args.total_env_steps:,} | {sps:,.0f} env-steps/s | "
                       f"action mse {mean['action_mse']:.4f} | loss {epoch_losses[0]:.4f}->{epoch_losses[-1]:.4f} | "
                       f"success {per_episode['successes']:.2f} | g-mpjpe {1000 * mean['gt_err_m']:.0f} mm | beta "
-                      f"{beta:.2f} | ETA "
-                      f"{(args.total_env_steps - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
+                      f"{beta:.2f} | ETA {(args.total_env_steps - global_step) / sps / 60:.1f} min", flush=True)
             if iteration % args.checkpoint_every == 0:
                 save(finished)
     except BaseException:  # a crash still leaves the last whole iteration on disk (unless the weights went bad)

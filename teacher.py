@@ -40,88 +40,54 @@ class Args:
     """PPO training of the HoRD teacher."""
     preset: str = "paper"
     """'paper' (the defaults below: the paper's configuration, GPU) or 'cpu' (small, runs on a CPU in minutes)"""
-    exp_name: str = "teacher"
-    """name of this experiment (run folder prefix)"""
-    seed: int = 0
-    """seed of torch, numpy, random and the env (rank r of a torchrun job uses seed + r)"""
+    exp_name: str = "teacher"  # name of this experiment (run folder prefix)
+    seed: int = 0  # seed of torch, numpy, random and the env (rank r of a torchrun job uses seed + r)
     device: str = ""
     """torch / simulation device ('': cuda, or a resumed run's own; no silent fallback: cuda without a GPU is an error,
     --device cpu runs on purpose)"""
-    amp: bool = False
-    """bf16 autocast of the forward passes (CUDA; fp32 matmuls use TF32 there anyway)"""
-    torch_threads: int = 0
-    """intra-op CPU threads of torch (0: torch's default)"""
+    amp: bool = False  # bf16 autocast of the forward passes (CUDA; fp32 matmuls use TF32 there anyway)
+    torch_threads: int = 0  # intra-op CPU threads of torch (0: torch's default)
     num_envs: int = 4096
     """parallel environments per rank (torchrun: each process runs this many; a plain run is one rank)"""
     performance_mode: bool = False
     """Genesis: kernels compiled for this num_envs (2x faster CPU physics; ~70 s compile at every start)"""
-    total_env_steps: int = 1_000_000_000
-    """control steps to train for (all envs together)"""
-    num_steps: int = 32
-    """rollout length per env per iteration"""
+    total_env_steps: int = 1_000_000_000  # control steps to train for (all envs together)
+    num_steps: int = 32  # rollout length per env per iteration
     minibatch_size: int = 16384
     """samples per gradient step and rank (gradients averaged over ranks). Default: the paper's table (4096 envs,
     batch 16384, 1 mini-epoch) read as ProtoMotions' batch_size: 8 steps per 131,072 samples, 61k steps per 1e9
     env-steps. The authors' released config: --num-envs 512 --minibatch-size 1024, 16 steps per 16,384 samples, 977k
     per 1e9 (16x the updates per sample at the same lr)"""
-    update_epochs: int = 1
-    """passes over each rollout (the paper's 'mini-epochs')"""
-    max_grad_norm: float = 50.0
-    """gradient clipping"""
-    checkpoint_every: int = 50
-    """iterations between checkpoints"""
-    resume: str = ""
-    """checkpoint of this script to continue from (only --total-env-steps and the device may change)"""
-    run_dir: str = ""
-    """where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})"""
-    sim: str = "isaaclab"
-    """simulator: isaaclab (the paper's training engine), genesis or mujoco (CPU)"""
-    motions: str = "data/packets/g1_moves"
-    """SSJR packet folder or file (the held-out test clips are excluded)"""
-    terrain: str = "mix"
-    """flat | smooth_slope | rough_slope | mix (paper: 0.5 flat, 0.25 each slope)"""
-    no_dr: bool = False
-    """the 'w/o DR' ablation: nominal dynamics every episode"""
-    no_hcdr: bool = False
-    """the 'w/o HCDR' ablation: no history token"""
-    actor_lr: float = 2e-5
-    """actor learning rate"""
-    critic_lr: float = 1e-4
-    """critic learning rate"""
-    gamma: float = 0.99
-    """discount"""
-    gae_lambda: float = 0.95
-    """GAE lambda"""
-    clip_coef: float = 0.2
-    """PPO clip range"""
-    vf_coef: float = 1.0
-    """value loss weight"""
+    update_epochs: int = 1  # passes over each rollout (the paper's 'mini-epochs')
+    max_grad_norm: float = 50.0  # gradient clipping
+    checkpoint_every: int = 50  # iterations between checkpoints
+    resume: str = ""  # checkpoint of this script to continue from (only --total-env-steps and the device may change)
+    run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
+    sim: str = "isaaclab"  # simulator: isaaclab (the paper's training engine), genesis or mujoco (CPU)
+    motions: str = "data/packets/g1_moves"  # SSJR packet folder or file (the held-out test clips are excluded)
+    terrain: str = "mix"  # flat | smooth_slope | rough_slope | mix (paper: 0.5 flat, 0.25 each slope)
+    no_dr: bool = False  # the 'w/o DR' ablation: nominal dynamics every episode
+    no_hcdr: bool = False  # the 'w/o HCDR' ablation: no history token
+    actor_lr: float = 2e-5  # actor learning rate
+    critic_lr: float = 1e-4  # critic learning rate
+    gamma: float = 0.99  # discount
+    gae_lambda: float = 0.95  # GAE lambda
+    clip_coef: float = 0.2  # PPO clip range
+    vf_coef: float = 1.0  # value loss weight
     desired_kl: float = 0.0
     """> 0: before each actor step, scale the lr by 1/1.5 (KL > 2x this) or 1.5 (KL < this/2) (rsl_rl); 0: fixed"""
-    log_std: float = -2.9
-    """fixed log standard deviation of the Gaussian policy"""
-    action_scale: float = 1.0
-    """alpha = q_ref(t+1) + action_scale * a (rad)"""
-    d_model: int = 512
-    """transformer width"""
-    num_layers: int = 6
-    """transformer encoder layers"""
-    num_heads: int = 8
-    """attention heads"""
-    ff_dim: int = 1536
-    """transformer feed-forward width (paper text: 3x d_model)"""
-    head_dim: int = 1024
-    """actor head MLP width (3 layers)"""
-    terrain_dim: int = 256
-    """terrain encoder MLP width (2 layers)"""
-    critic_dim: int = 1024
-    """critic MLP width (4 layers)"""
-    hcdr_queries: int = 4
-    """HCDR learnable query tokens N"""
-    hcdr_dim: int = 128
-    """HCDR token size d_m"""
-    hcdr_layers: int = 2
-    """HCDR Q-Former layers"""
+    log_std: float = -2.9  # fixed log standard deviation of the Gaussian policy
+    action_scale: float = 1.0  # alpha = q_ref(t+1) + action_scale * a (rad)
+    d_model: int = 512  # transformer width
+    num_layers: int = 6  # transformer encoder layers
+    num_heads: int = 8  # attention heads
+    ff_dim: int = 1536  # transformer feed-forward width (paper text: 3x d_model)
+    head_dim: int = 1024  # actor head MLP width (3 layers)
+    terrain_dim: int = 256  # terrain encoder MLP width (2 layers)
+    critic_dim: int = 1024  # critic MLP width (4 layers)
+    hcdr_queries: int = 4  # HCDR learnable query tokens N
+    hcdr_dim: int = 128  # HCDR token size d_m
+    hcdr_layers: int = 2  # HCDR Q-Former layers
 
 
 PRESETS = {
@@ -588,7 +554,7 @@ def main(args: Args) -> pathlib.Path:
                       f"reward {mean['mean_reward']:.3f} | success {per_episode['successes']:.2f} | g-mpjpe "
                       f"{1000 * mean['gt_err_m']:.0f} mm | kl {mean['approx_kl']:.4f} | nan resets "
                       f"{total['nan_resets']:.0f} | ETA "
-                      f"{(args.total_env_steps - global_step) / max(sps, 1e-6) / 60:.1f} min", flush=True)
+                      f"{(args.total_env_steps - global_step) / sps / 60:.1f} min", flush=True)
             if iteration % args.checkpoint_every == 0:
                 save(finished)
     except BaseException:  # a crash still leaves the last whole iteration on disk (unless the weights went bad)

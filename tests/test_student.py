@@ -143,7 +143,8 @@ def test_the_student_shares_the_teachers_hcdr(tmp_path):
                                agent.actor.hcdr(agent.actor.history_norm(obs["history"]), obs["history_mask"]))
     assert all(p.requires_grad for p in policy.actor.hcdr.parameters())  # --hcdr finetune: it trains on
     # --hcdr teacher, frozen: no gradient and no normalizer update reach it; the rest of the student learns
-    student.freeze_hcdr(policy)
+    policy = student.StudentPolicy(LAYOUT, dataclasses.replace(CPU, hcdr="teacher"))
+    student.share_teacher_hcdr(policy, agent, "t.pt")
     mean = policy.actor.history_norm.mean.clone()
     policy.actor.update_norms(random_obs(64, seed=4))
     assert torch.equal(policy.actor.history_norm.mean, mean)
