@@ -639,14 +639,14 @@ class MuJoCoSim(EngineSim):
         self.pelvis, self.torso = ids["pelvis"], ids["torso_link"]  # pelvis: the free base, root of the robot's tree
         assert [base.joint(i).name for i in range(1, 30)] == list(ssjr.DOF_NAMES)  # qpos 7.., qvel 6.. in our order
         self.feet = np.flatnonzero(np.isin(base.geom_bodyid, [ids[f] for f in FEET]))
-        self.default_body_mass_kg = torch.tensor(base.body_mass[self.bodies], device=self.device).float().expand(
-            num_envs, -1).clone()
+        self.default_body_mass_kg = self._t(base.body_mass[self.bodies]).expand(num_envs, -1).clone()
         self._default_inertia, self._default_torso_com = base.body_inertia.copy(), base.body_ipos[self.torso].copy()
         self._bad = [getattr(mujoco.mjtWarning, f"mjWARN_BAD{x}") for x in ("QPOS", "QVEL", "QACC")]
         self._warnings, self._blown_up = np.zeros(num_envs, np.int64), np.zeros(num_envs, bool)  # warnings so far
         for m, d in zip(self.models, self.datas):
             mujoco.mj_step1(m, d)
-        threads = max(1, min(num_envs, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: none
+        threads = max(1, min(num_envs, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         self._slices = [range(k * num_envs // threads, (k + 1) * num_envs // threads) for k in range(threads)]
         self._pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
 
