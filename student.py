@@ -284,7 +284,7 @@ def train(args: Args, env=None) -> pathlib.Path:
         if device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], device)
     # under torchrun the update runs through DDP: rank 0's weights to every rank now, averaged gradients in backward
-    learner = nn.parallel.DistributedDataParallel(policy, broadcast_buffers=False) if world > 1 else policy
+    learner = nn.parallel.DistributedDataParallel(policy, forward_sync_buffers=False) if world > 1 else policy
     policy.eval()
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 

@@ -389,7 +389,7 @@ def main(args: Args) -> pathlib.Path:
         if device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], device)
     # under torchrun the update runs through DDP: rank 0's weights to every rank now, averaged gradients in backward
-    learner = nn.parallel.DistributedDataParallel(agent, broadcast_buffers=False) if world > 1 else agent
+    learner = nn.parallel.DistributedDataParallel(agent, forward_sync_buffers=False) if world > 1 else agent
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
     # --- the run folder (rank 0 writes it), TensorBoard, checkpoints, Ctrl-C / torchrun's SIGTERM

@@ -31,7 +31,7 @@ def one_update(agent, rank_obs, batch_obs, world):
     observations, then DDP (rank 0's weights to every rank) and one PPO step on `batch_obs` through it."""
     torch.manual_seed(0)
     agent.update_norms(rank_obs)
-    learner = torch.nn.parallel.DistributedDataParallel(agent, broadcast_buffers=False) if world > 1 else agent
+    learner = torch.nn.parallel.DistributedDataParallel(agent, forward_sync_buffers=False) if world > 1 else agent
     opt = torch.optim.SGD(agent.parameters(), lr=0.1)  # Adam would blow float noise on ~0 gradients up to lr
     n = len(batch_obs["critic"])
     g = torch.Generator().manual_seed(3)
