@@ -759,6 +759,9 @@ class TrackingEnv:
                  termination: str = "max"):
         self.sim, self.motions, self.terrain, self.dr, self.start = sim, motion_lib, terrain, dr, start  # START_MODES
         self.termination = termination  # TERMINATIONS
+        # training levers of the authors' released recipe (teacher.py sets them; off: uniform clips and start ticks,
+        # the failure test from the first step): a share of frame-0 starts, clip sampling weights, grace steps
+        self.frame0_share, self.clip_weights, self.grace_steps = 0.0, None, 0
         self.num_envs, self.device = n, dev = sim.num_envs, sim.device
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
         self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
@@ -849,9 +852,12 @@ class TrackingEnv:
             for i, c, e in zip(ids.tolist(), (g % len(lib)).tolist(), (g // len(lib)).tolist()):  # clip c, episode e
                 self.episode_gens[i].manual_seed(int(np.random.SeedSequence([self.seed, c, e]).generate_state(1)[0]))
         else:  # reference-state init: a uniform clip, then a uniform start tick in it
-            self.clip[ids] = torch.randint(len(lib), (m,), generator=self.gen, device=dev)
+            self.clip[ids] = (torch.randint(len(lib), (m,), generator=self.gen, device=dev) if self.clip_weights is None
+                              else torch.multinomial(self.clip_weights, m, replacement=True, generator=self.gen))
             num_starts = lib.last_start_tick[self.clip[ids]] + 1
             self.tick0[ids] = (torch.rand(m, generator=self.gen, device=dev) * num_starts).long()
+            if self.frame0_share:
+                self.tick0[ids] *= torch.rand(m, generator=self.gen, device=dev) >= self.frame0_share
         self.step_count[ids] = 0
         tile = self._draw(ids, lambda k, g: torch.multinomial(self.tile_weights, k, replacement=True, generator=g))
         start = lib.at_tick(self.clip[ids], self.tick0[ids])
@@ -927,7 +933,7 @@ class TrackingEnv:
         keypoint_err, body_err = (("max_keypoint_err_m", "max_body_err_m") if self.termination == "max" else
                                   ("keypoint_err_m", "gt_err_m"))
         err = torch.where(self.motions.keypoints_only[self.clip], metrics[keypoint_err], metrics[body_err])
-        failed = (err > TERMINATION_ERR_M) | blown_up
+        failed = ((err > TERMINATION_ERR_M) & (self.step_count > self.grace_steps)) | blown_up
         time_out = self.tick0 + self.step_count >= self.motions.num_ticks[self.clip] - 1
         done = failed | time_out
         self.body_pos_w, self.body_quat_w = body[0], body[1]

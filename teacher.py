@@ -88,6 +88,12 @@ class Args:
     hcdr_queries: int = 4  # HCDR learnable query tokens N
     hcdr_dim: int = 128  # HCDR token size d_m
     hcdr_layers: int = 2  # HCDR Q-Former layers
+    # levers of the authors' released code that the paper does not state (off by default; docs/experiments.md)
+    frame0_share: float = 0.0  # share of training episodes that start at the clip's frame 0 (the rest: uniform)
+    reweight_every: int = 0  # iterations between re-weightings of the clips by their fall rate (0: uniform clips)
+    grace_steps: int = 0  # control steps after a reset before the 0.5 m failure test applies
+    value_norm: bool = False  # the critic regresses normalized returns (clamped at 5), its loss clipped like PPO's
+    body_dr_per_episode: bool = False  # redraw the body terms of psi (masses, CoM, joints) at every reset
 
 
 PRESETS = {
@@ -138,6 +144,12 @@ class RunningNorm(nn.Module):
         self.mean += delta * n / total
         self.var = (self.var * self.count + batch_var * n + delta.pow(2) * self.count * n / total) / total
         self.count = total
+
+    def normalize(self, x, clip: float = 10.0):
+        return ((x - self.mean) / (self.var.sqrt() + 1e-5)).clamp(-clip, clip)
+
+    def denormalize(self, x):
+        return x * (self.var.sqrt() + 1e-5) + self.mean
 
     def forward(self, x):
         # one new tensor, then in place: these stacks are the largest tensors of a CPU forward pass
@@ -203,6 +215,7 @@ class Agent(nn.Module):
         self.actor = TokenPolicy(layout, ("proprio", "future"), args, hcdr=not args.no_hcdr)
         self.critic_norm = RunningNorm(layout["critic"][0])
         self.critic = mlp([layout["critic"][0]] + [args.critic_dim] * 4 + [1])
+        self.value_norm = RunningNorm(1) if args.value_norm else None  # statistics of the returns
         self.log_std = args.log_std
         self.action_scale = args.action_scale
 
@@ -211,8 +224,10 @@ class Agent(nn.Module):
         self.actor.update_norms(obs)
         self.critic_norm.update(obs["critic"])
 
-    def value(self, obs):
-        return self.critic(self.critic_norm(obs["critic"])).squeeze(-1).float()
+    def value(self, obs, normalized: bool = False):
+        """V(s) in return units (GAE), or as the critic outputs it (the loss: with --value-norm, normalized)."""
+        v = self.critic(self.critic_norm(obs["critic"])).squeeze(-1).float()
+        return v if normalized or self.value_norm is None else self.value_norm.denormalize(v)
 
     def dist(self, obs):
         mean = self.actor(obs)
@@ -221,7 +236,7 @@ class Agent(nn.Module):
     def forward(self, obs):
         """(pi, V) for the PPO loss: the update calls the module itself, so that under torchrun DDP averages the
         gradients over the ranks."""
-        return self.dist(obs), self.value(obs)
+        return self.dist(obs), self.value(obs, normalized=True)
 
     def to_alpha(self, obs, a):
         """PD targets from the residual action."""
@@ -246,14 +261,18 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, lam: float) ->
     return advantages
 
 
-def ppo_losses(agent, obs, actions, old_logprob, advantages, returns, clip_coef: float):
+def ppo_losses(agent, obs, actions, old_logprob, advantages, returns, old_values, clip_coef: float, clip_value: bool):
     """Clipped surrogate and value loss on one minibatch; also approx-KL and the clip fraction (for logging)."""
     pi, value = agent(obs)
     log_ratio = pi.log_prob(actions).sum(-1) - old_logprob
     ratio = log_ratio.exp()
     adv = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
-    v_loss = 0.5 * (value - returns).pow(2).mean()
+    v_loss = 0.5 * (value - returns).pow(2)
+    if clip_value:  # the value moves at most clip_coef from the rollout's per update, as the policy's ratio
+        clipped = old_values + (value - old_values).clamp(-clip_coef, clip_coef)
+        v_loss = torch.max(v_loss, 0.5 * (clipped - returns).pow(2))
+    v_loss = v_loss.mean()
     with torch.no_grad():
         approx_kl = ((ratio - 1) - log_ratio).mean()
         clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
@@ -367,8 +386,13 @@ def main(args: Args) -> pathlib.Path:
                    dr=None if args.no_dr else "default")
     env = envs.make_env(**env_cfg, num_envs=args.num_envs, device=str(device), seed=args.seed + rank,
                         terrain_seed=args.seed, performance_mode=args.performance_mode)  # one terrain for all ranks
-    if rng is not None:  # this rank's env stream, before the first reset
+    env.frame0_share, env.grace_steps = args.frame0_share, args.grace_steps
+    if env.dr is not None:
+        env.dr.body_psi_per_episode = args.body_dr_per_episode
+    clip_stats = torch.zeros(2, len(env.motions), device=device)  # per clip: episodes ended, falls (re-weighting)
+    if rng is not None:  # this rank's env stream and clip weights, before the first reset
         env.gen.set_state(rng["env"]["gen"])
+        env.clip_weights, clip_stats = rng["env"].get("clip_weights"), rng["env"].get("clip_stats", clip_stats)
     obs = env.reset()
     layout = env.obs_layout
     agent = Agent(layout, args).to(device)
@@ -406,7 +430,8 @@ def main(args: Args) -> pathlib.Path:
 
     def rng_states() -> list[dict]:  # every rank's learner and env streams, in rank order
         states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                  "env": {"gen": env.gen.get_state()},
+                  "env": {"gen": env.gen.get_state(), "clip_weights": env.clip_weights,
+                          "clip_stats": clip_stats.clone()},
                   **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
         out = [states] * world
         if world > 1:
@@ -462,6 +487,8 @@ def main(args: Args) -> pathlib.Path:
                 for k in step_sums:  # nanmean: a blown-up env is NaN
                     step_sums[k] += (info["reward_terms"] if k in envs.REWARD_COEFFS else info["metrics"])[k].nanmean()
                 ended = done.float()
+                clip_stats[0].index_add_(0, info["clip"], ended)
+                clip_stats[1].index_add_(0, info["clip"], info["failed"].float())
                 for k, v in (("episodes", ended), ("return", ep_return * ended), ("length", ep_len * ended),
                              ("successes", info["time_out"].float() * ended)):
                     episode_sums[k] += v.sum()
@@ -484,6 +511,8 @@ def main(args: Args) -> pathlib.Path:
             b_obs = {k: flat(v) for k, v in buf_obs.items()}
             b_actions, b_logprobs, b_adv, b_returns, b_values = map(flat, (actions, logprobs, advantages, returns,
                                                                           values))
+            if agent.value_norm is not None:  # the critic's targets and old outputs in its normalized units
+                b_returns, b_values = agent.value_norm.normalize(b_returns, 5.0), agent.value_norm.normalize(b_values)
             clipfracs, approx_kls = [], []
             for epoch in range(args.update_epochs):
                 perm = torch.randperm(n * T, device=device)
@@ -493,7 +522,7 @@ def main(args: Args) -> pathlib.Path:
                     with amp():
                         pg_loss, v_loss, approx_kl, clipfrac = ppo_losses(learner, mb_obs, b_actions[mb],
                                                                           b_logprobs[mb], b_adv[mb], b_returns[mb],
-                                                                          args.clip_coef)
+                                                                          b_values[mb], args.clip_coef, args.value_norm)
                     approx_kls.append(approx_kl)
                     clipfracs.append(clipfrac)
                     # adaptive step size (not on the first minibatch: the policy is still the rollout's, KL 0); the
@@ -520,6 +549,14 @@ def main(args: Args) -> pathlib.Path:
             # observation statistics: updated after the PPO update (the update must see the rollout's normalization),
             # from every 4th rollout step (consecutive steps are nearly the same states: a quarter of the cost)
             agent.update_norms({k: v[::4] for k, v in buf_obs.items()})
+            if agent.value_norm is not None:
+                agent.value_norm.update(returns.reshape(-1, 1))
+            # clip re-weighting: the clips that fail get the episodes (the authors: every 500 epochs, the failed clips)
+            if args.reweight_every and iteration % args.reweight_every == 0:
+                if world > 1:
+                    dist.all_reduce(clip_stats)
+                env.clip_weights = (clip_stats[1] / clip_stats[0].clamp(min=1)).clamp(min=0.05)
+                clip_stats.zero_()
 
             # logging: one host read of everything (means over the ranks, episode sums over all of them)
             means = {"mean_reward": rewards.mean(), "policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
@@ -536,6 +573,7 @@ def main(args: Args) -> pathlib.Path:
             per_episode = {k: total[k] / total["episodes"] if total["episodes"] else float("nan")
                            for k in ("return", "length", "successes")}
             sps = (global_step - start_step) / (time.time() - start_time)
+            clip_weights = [] if env.clip_weights is None else env.clip_weights.tolist()
             scalars = {"charts/mean_reward": mean["mean_reward"], "charts/episode_return": per_episode["return"],
                        "charts/episode_length": per_episode["length"], "charts/success_rate": per_episode["successes"],
                        "charts/gt_err_mm": 1000 * mean["gt_err_m"], "charts/mpjpe_mm": 1000 * mean["mpjpe_m"],
@@ -545,7 +583,8 @@ def main(args: Args) -> pathlib.Path:
                        **{f"losses/{k}": mean[k] for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac",
                                                            "explained_variance")},
                        **{f"rewards/{k}": mean[k] for k in envs.REWARD_COEFFS},
-                       **{f"dr/{k}": mean[k] for k in env.psi}}
+                       **{f"dr/{k}": mean[k] for k in env.psi},
+                       **{f"clip_weight/{i}": w for i, w in enumerate(clip_weights)}}
             finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}
             if writer is not None:
                 for k, v in scalars.items():
