@@ -44,7 +44,8 @@ class FakeEnv:
         self.psi = {k: torch.ones(num_envs) for k in envs.PSI_KEYS}
         self.nan_resets = torch.zeros((), dtype=torch.long)
         self.reward_terms = tuple(envs.REWARD_COEFFS)
-        self.motions = type("Motions", (), {"mean_dof_pos": torch.zeros(29)})
+        self.motions = type("Motions", (), {"mean_dof_pos": torch.zeros(29), "__len__": lambda self: 1})()
+        self.dr = self.clip_weights = None
 
     def _obs(self):
         obs = {k: torch.randn(self.num_envs, *s, generator=self.gen) for k, s in self.layout.items()}
@@ -61,7 +62,9 @@ class FakeEnv:
         n = self.num_envs
         done = torch.rand(n, generator=self.gen) < 0.1
         info = {"metrics": {"gt_err_m": torch.rand(n, generator=self.gen), "mpjpe_m": torch.rand(n)},
-                "reward_terms": {k: torch.rand(n) for k in self.reward_terms}, "time_out": done & (alpha[:, 0] > 0)}
+                "reward_terms": {k: torch.rand(n) for k in self.reward_terms}, "time_out": done & (alpha[:, 0] > 0),
+                "clip": torch.zeros(n, dtype=torch.long)}
+        info["failed"] = done & ~info["time_out"]
         return self._obs(), torch.rand(n, generator=self.gen), done, info
 
     def close(self):

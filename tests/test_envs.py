@@ -503,3 +503,22 @@ def test_mujoco_threads_step_the_same_numbers_as_one_loop(train_packet, monkeypa
         return obs, resets
     (one, resets), (three, _) = rollout(1), rollout(3)
     assert resets > 0 and all(torch.equal(one[k], three[k]) for k in one)
+
+
+def test_training_levers_frame0_share_clip_weights_and_grace_steps(packets):
+    """The authors' training levers (teacher.py sets them): every start at frame 0 with frame0_share 1, only the
+    weighted clip with weights (0, 1), and no failure within grace_steps of a reset (a 0.6 m offset fails at once
+    without them)."""
+    env = envs.make_env("mujoco", 8, "cpu", packets, dr=envs.DR(), seed=0, exclude_test=False)
+    env.reset()
+    assert (env.tick0 > 0).any() and len(set(env.clip.tolist())) == 2  # uniform clips and start ticks by default
+    env.frame0_share, env.clip_weights, env.grace_steps = 1.0, torch.tensor([0.0, 1.0]), 5
+    for grace in (5, 0):
+        env.grace_steps = grace
+        obs = env.reset()
+        assert (env.tick0 == 0).all() and (env.clip == 1).all()
+        pos, quat, v, w = env.sim.root_state()
+        env.sim.write_state(all_ids(env), pos + torch.tensor([0.6, 0.0, 0.0]), quat, v, w, *env.sim.dof_state())
+        _, _, done, info = env.step(obs["ref_dof_pos"])
+        assert info["failed"].all() if grace == 0 else not info["failed"].any()
+    env.close()

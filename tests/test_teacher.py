@@ -63,15 +63,34 @@ def test_ppo_loss_on_a_toy_batch():
         actions = dist.sample()
         old_logprob = dist.log_prob(actions).sum(-1)
     adv, ret = torch.randn(32), torch.randn(32)
-    pg, v, kl, clipfrac = teacher.ppo_losses(agent, obs, actions, old_logprob, adv, ret, 0.2)
+    pg, v, kl, clipfrac = teacher.ppo_losses(agent, obs, actions, old_logprob, adv, ret, ret, 0.2, False)
     # unchanged policy: ratio 1, KL 0, nothing clipped, surrogate = -mean(normalized advantage) = 0
     assert abs(kl) < 1e-6 and clipfrac == 0.0 and abs(pg.item()) < 1e-5
     assert torch.isclose(v, 0.5 * (agent.value(obs) - ret).pow(2).mean())
     # a policy far from the old one gets clipped, and the gradient of the surrogate is finite
-    pg2, _, kl2, clipfrac2 = teacher.ppo_losses(agent, obs, actions, old_logprob - 1.0, adv, ret, 0.2)
+    pg2, _, kl2, clipfrac2 = teacher.ppo_losses(agent, obs, actions, old_logprob - 1.0, adv, ret, ret, 0.2, False)
     assert clipfrac2 == 1.0 and kl2 > 0.1
     pg2.backward()
     assert all(torch.isfinite(p.grad).all() for p in agent.actor.parameters() if p.grad is not None)
+    # the clipped value loss: the rollout's value was 1 above today's, the target is today's; the clipped loss keeps
+    # the value within 0.2 of the rollout's, so it still sees 0.8 of error where the free one sees none
+    with torch.no_grad():
+        value = agent.value(obs)
+    _, v_free, _, _ = teacher.ppo_losses(agent, obs, actions, old_logprob, adv, value, value + 1, 0.2, False)
+    _, v_clipped, _, _ = teacher.ppo_losses(agent, obs, actions, old_logprob, adv, value, value + 1, 0.2, True)
+    assert v_free.item() < 1e-10 and torch.isclose(v_clipped, torch.tensor(0.5 * 0.8 ** 2))
+
+
+def test_value_normalization_denormalizes_the_critic_for_gae():
+    """--value-norm: the critic outputs normalized returns (the loss), V in return units for GAE."""
+    torch.manual_seed(0)
+    agent = teacher.Agent(LAYOUT, small_args(value_norm=True))
+    agent.value_norm.update(50.0 + 10.0 * torch.randn(4096, 1))
+    obs = fake_obs(6)
+    raw = agent.value(obs, normalized=True)
+    assert torch.allclose(agent.value(obs), raw * agent.value_norm.var.sqrt() + agent.value_norm.mean, atol=1e-3)
+    assert abs(agent.value_norm.mean.item() - 50.0) < 1.0 and abs(agent.value_norm.var.sqrt().item() - 10.0) < 1.0
+    assert agent.value_norm.normalize(torch.tensor([1000.0]), 5.0).item() == 5.0  # targets clamped at 5
 
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
