@@ -435,11 +435,10 @@ def _write_ground_usd(path: pathlib.Path, terrain) -> None:
 class IsaacLabSim(EngineSim):
     """Isaac Lab 3.0, kit-less Newton/MuJoCo-Warp physics (PhysX needs Isaac Sim): the G1 USD cloned N times in one
     InteractiveScene at env spacing 0 (Newton worlds never collide) over a local ground; every joint has an implicit
-    actuator with zero gains, so step(tau) is a pure torque step. One instance per process (SimulationContext is a
-    singleton; close() frees it). Handled here: xyzw quaternions and Isaac Lab's joint/body order (remapped by name);
-    link-frame velocities (d/dt body_pos), not the centres of mass'; ground friction 0, so the feet's is the ground-foot
-    friction (contact: max of the pair); MuJoCo's passive joint damping/frictionloss. Joints start with zero
-    armature/damping/frictionloss at q = 0: call `set_joint_params` and `write_state` before stepping."""
+    actuator with zero gains, so step(tau) is a pure torque step. Handled here: xyzw quaternions and Isaac Lab's
+    joint/body order (remapped by name); link-frame velocities (d/dt body_pos), not the centres of mass'; ground
+    friction 0, so the feet's is the ground-foot friction; MuJoCo's passive joint damping/frictionloss. Joints start
+    with zero armature/damping/frictionloss at q = 0: call `set_joint_params` and `write_state` before stepping."""
 
     def __init__(self, num_envs: int, device: str, terrain, dt_s: float = PHYSICS_DT_S):
         import isaaclab.sim as sim_utils
@@ -481,7 +480,7 @@ class IsaacLabSim(EngineSim):
         joints, bodies = list(self.robot.joint_names), list(self.robot.body_names)
         self.isaac_index_of_dof = torch.tensor([joints.index(n) for n in self.dof_names], device=self.device)
         self.isaac_index_of_body = torch.tensor([bodies.index(n) for n in self.body_names], device=self.device)
-        self._dof_inv = torch.argsort(self.isaac_index_of_dof)
+        self._dof_inv, self._body_inv = torch.argsort(self.isaac_index_of_dof), torch.argsort(self.isaac_index_of_body)
         self._torso_isaac = bodies.index("torso_link")
         # ground friction -> 0 (contact friction = max of the pair = the foot's); live views of the foot shapes' mu
         # and of the per-world gravity rows (Newton keeps one per world, MJWarp's opt.gravity, and a global last row)
@@ -530,9 +529,8 @@ class IsaacLabSim(EngineSim):
     def write_state(self, env_ids, root_pos, root_quat, root_lin_vel, root_ang_vel, q, qd) -> None:
         ids = self._ids(env_ids)
         pose = self._isaac(torch.cat([root_pos, root_quat[:, _XYZW_FROM_WXYZ]], -1))
-        vel = self._isaac(torch.cat([root_lin_vel, root_ang_vel], -1))
         self.robot.write_root_link_pose_to_sim_index(root_pose=pose, env_ids=ids)
-        self.robot.write_root_link_velocity_to_sim_index(root_velocity=vel, env_ids=ids)
+        self.set_root_velocity(env_ids, root_lin_vel, root_ang_vel)
         self.robot.write_joint_state_to_sim_index(position=self._isaac(q, self._dof_inv),
                                                   velocity=self._isaac(qd, self._dof_inv), env_ids=ids)
 
@@ -546,12 +544,10 @@ class IsaacLabSim(EngineSim):
 
     def set_body_mass(self, env_ids, mass_kg) -> None:
         ids = self._ids(env_ids)
-        m = torch.empty_like(mass_kg, dtype=torch.float32, device=self.device)
-        m[:, self.isaac_index_of_body] = self._isaac(mass_kg)
-        ratio = m / self._default_mass_isaac[ids.long()]
-        self.robot.set_masses_index(masses=m.contiguous(), env_ids=ids)
-        self.robot.set_inertias_index(inertias=(self._default_inertia[ids.long()] * ratio[..., None]).contiguous(),
-                                      env_ids=ids)
+        m = self._isaac(mass_kg, self._body_inv)
+        inertia = self._default_inertia[ids.long()] * (m / self._default_mass_isaac[ids.long()])[..., None]
+        self.robot.set_masses_index(masses=m, env_ids=ids)
+        self.robot.set_inertias_index(inertias=inertia.contiguous(), env_ids=ids)
 
     def set_com_offset(self, env_ids, offset_m) -> None:
         """Torso centre-of-mass offset [n,3] (body frame) from the asset's COM."""
@@ -608,11 +604,10 @@ def mujoco_scene_xml() -> str:
 
 class MuJoCoSim(EngineSim):
     """MuJoCo on the CPU: one MjModel and MjData per env (each env's DR writes go to its own model), stepped in loops
-    over slices of the envs on this process's share of the cores (all of them in a plain run, one each for two torchrun
-    ranks on two cores; MuJoCo releases the GIL). The scene is SCENE_XML, plus a heightfield for non-flat terrain.
-    Each step is mj_step2 then mj_step1, so positions, velocities and kinematics are always those of the current state.
-    MuJoCo resets an env whose state goes bad (non-finite or huge accelerations, mjWARN_BADQACC...) by itself, with a
-    warning: those envs are reported by nan_envs() like the other engines' blow-ups."""
+    over slices of the envs on threads (this process's share of the cores; MuJoCo releases the GIL). The scene is
+    SCENE_XML, plus a heightfield for non-flat terrain. Each step is mj_step2 then mj_step1, so positions, velocities
+    and kinematics are always those of the current state. MuJoCo resets an env whose state goes bad (non-finite, huge
+    accelerations) by itself, with a warning: nan_envs() reports those envs like the other engines' blow-ups."""
 
     def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S):
         import mujoco
@@ -648,23 +643,17 @@ class MuJoCoSim(EngineSim):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: none
         threads = max(1, min(num_envs, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         self._slices = [range(k * num_envs // threads, (k + 1) * num_envs // threads) for k in range(threads)]
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads)
 
-    def _refresh(self, i: int) -> None:
-        """Kinematics and velocities of env i's state (after a write), and a bad state caught as a blow-up."""
+    def _refresh(self, i: int, masses: bool = False) -> None:
+        """After a write to env i: the constraints' inverse weights if `masses` or armature changed (mj_setConst),
+        kinematics and velocities, and a bad state caught as a blow-up."""
+        if masses:
+            self.mj.mj_setConst(self.models[i], self._scratch)
         self.mj.mj_step1(self.models[i], self.datas[i])
         warnings_now = sum(self.datas[i].warning[w].number for w in self._bad)
         self._blown_up[i] |= warnings_now > self._warnings[i]
         self._warnings[i] = warnings_now
-
-    def _each(self, env_ids, masses: bool = False):
-        """(k, i) for each env i of env_ids (k: its row in the arguments); after the caller's write to env i,
-        mj_setConst if `masses` (the constraints' inverse weights depend on masses and armature), then _refresh."""
-        for k, i in enumerate(torch.as_tensor(env_ids).flatten().tolist()):
-            yield k, i
-            if masses:
-                self.mj.mj_setConst(self.models[i], self._scratch)
-            self._refresh(i)
 
     def step(self, tau_nm: torch.Tensor) -> None:
         tau = tau_nm.detach().cpu().double().numpy()
@@ -674,7 +663,7 @@ class MuJoCoSim(EngineSim):
                 self.datas[i].qfrc_applied[6:] = tau[i]
                 self.mj.mj_step2(self.models[i], self.datas[i])
                 self._refresh(i)
-        list((map if self._pool is None else self._pool.map)(step_slice, self._slices))
+        list(self._pool.map(step_slice, self._slices))
 
     def dof_state(self):
         return self._t(np.stack([d.qpos[7:] for d in self.datas])), self._t(np.stack([d.qvel[6:] for d in self.datas]))
@@ -696,50 +685,56 @@ class MuJoCoSim(EngineSim):
         # free joint: position, wxyz quaternion; linear velocity in the world frame, angular in the root's own frame
         qpos = torch.cat([root_pos, root_quat, q], -1).cpu().double().numpy()
         qvel = torch.cat([root_lin_vel, quat_apply(quat_conj(root_quat), root_ang_vel), qd], -1).cpu().double().numpy()
-        for k, i in self._each(env_ids):
+        for k, i in enumerate(env_ids.tolist()):
             d = self.datas[i]
             d.qpos[:], d.qvel[:], d.qacc_warmstart[:], d.qfrc_applied[:] = qpos[k], qvel[k], 0.0, 0.0
+            self._refresh(i)
 
     def set_root_velocity(self, env_ids, lin_vel_w, ang_vel_w) -> None:
         lin, ang = lin_vel_w.cpu().double().numpy(), ang_vel_w.cpu().double().numpy()
-        for k, i in self._each(env_ids):
+        for k, i in enumerate(env_ids.tolist()):
             d = self.datas[i]
             d.qvel[:3], d.qvel[3:6] = lin[k], d.xmat[self.pelvis].reshape(3, 3).T @ ang[k]
+            self._refresh(i)
 
     def set_gravity(self, env_ids, g_w) -> None:
-        for k, i in self._each(env_ids):
+        for k, i in enumerate(env_ids.tolist()):
             self.models[i].opt.gravity[:] = g_w[k].cpu().numpy()
+            self._refresh(i)
 
     def set_body_mass(self, env_ids, mass_kg) -> None:
         mass = mass_kg.cpu().double().numpy()
-        for k, i in self._each(env_ids, masses=True):
+        for k, i in enumerate(env_ids.tolist()):
             m, ratio = self.models[i], mass[k] / self.default_body_mass_kg[i].double().numpy()
             m.body_mass[self.bodies] = mass[k]
             m.body_inertia[self.bodies] = self._default_inertia[self.bodies] * ratio[:, None]
+            self._refresh(i, masses=True)
 
     def set_com_offset(self, env_ids, offset_m) -> None:
         offset = offset_m.cpu().double().numpy()
-        for k, i in self._each(env_ids, masses=True):
+        for k, i in enumerate(env_ids.tolist()):
             self.models[i].body_ipos[self.torso] = self._default_torso_com + offset[k]
+            self._refresh(i, masses=True)
 
     def set_friction(self, env_ids, mu) -> None:
         """Ground-foot friction: the feet's sliding friction (the ground's is GROUND_FRICTION)."""
-        for k, i in self._each(env_ids):
+        for k, i in enumerate(env_ids.tolist()):
             self.models[i].geom_friction[self.feet, 0] = float(mu[k])
+            self._refresh(i)
 
     def set_joint_params(self, env_ids, armature, damping, frictionloss) -> None:
         a, b, c = (x.cpu().double().numpy() for x in (armature, damping, frictionloss))
-        for k, i in self._each(env_ids, masses=True):
+        for k, i in enumerate(env_ids.tolist()):
             m = self.models[i]
             m.dof_armature[6:], m.dof_damping[6:], m.dof_frictionloss[6:] = a[k], b[k], c[k]
+            self._refresh(i, masses=True)
 
     def nan_envs(self) -> torch.Tensor:
         blown_up, self._blown_up = self._blown_up, np.zeros(self.num_envs, bool)
         return torch.as_tensor(blown_up, device=self.device)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
+        self._pool.shutdown()
 
 
 # --- The tracking task, written once for every engine.
@@ -798,7 +793,7 @@ class TrackingEnv:
         self.gen.manual_seed(seed)
         self.start_count = self.all_ids.clone()  # frame-0 starts: env i's k-th start is start i + k N of the rotation
         self.psi = sample_psi(self.dr, self.num_envs, self.gen, self.device)
-        self._write_psi(torch.arange(self.num_envs, device=self.device), body=True)
+        self._write_psi(self.all_ids, body=True)
 
     def close(self):
         self.sim.close()
@@ -824,13 +819,12 @@ class TrackingEnv:
         ids = slice(None) if env_ids is None else env_ids
         clip, tick, offset = self.clip[ids], (self.tick0 + self.step_count)[ids], self.ref_offset[ids]
         if window := torch.is_tensor(steps):  # read all N*K (env, tick) pairs in one gather
-            k = len(steps)
-            clip, tick = clip.repeat_interleave(k), (tick[:, None] + steps).flatten()
-            offset = offset.repeat_interleave(k, 0)
+            clip, tick = clip.repeat_interleave(len(steps)), (tick[:, None] + steps).flatten()
+            offset = offset.repeat_interleave(len(steps), 0)
         ref = self.motions.at_tick(clip, tick + (0 if window else steps))
         ref["body_pos"] = pos = ref["body_pos"] + offset[:, None]
         pos[..., 2] += self.terrain.height_at(pos[:, 0, :2])[:, None]
-        return {key: v.view(-1, k, *v.shape[1:]) for key, v in ref.items()} if window else ref
+        return {key: v.view(-1, len(steps), *v.shape[1:]) for key, v in ref.items()} if window else ref
 
     # --- reset ----------------------------------------------------------------------------------------------------
     def reseed(self, seed: int) -> dict[str, torch.Tensor]:
@@ -839,7 +833,7 @@ class TrackingEnv:
         return self.reset()
 
     def reset(self, env_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        ids = torch.arange(self.num_envs, device=self.device) if env_ids is None else env_ids
+        ids = self.all_ids if env_ids is None else env_ids
         if len(ids):
             self._reset_envs(ids)
         return self._observe(self.sim.body_state(), *self.sim.dof_state(), advance=False)
@@ -878,8 +872,7 @@ class TrackingEnv:
         self.history_mask[ids], self._fresh[ids] = False, True
 
     def _write_psi(self, ids: torch.Tensor, body: bool):
-        """psi of envs `ids` into the engine: friction and gravity, and with body=True the body masses, torso CoM and
-        joint parameters (see DR.body_psi_per_episode). The PD gain scales and the delay act in step()."""
+        """psi of envs `ids` into the engine (body terms only if `body`); the PD gain scales and delay act in step()."""
         psi, start = {k: v[ids] for k, v in self.psi.items()}, time.perf_counter()
         if body:
             self.sim.set_body_mass(ids, self.default_mass[ids] * psi["mass_scale"][:, None])
@@ -951,8 +944,7 @@ class TrackingEnv:
     # --- observations ---------------------------------------------------------------------------------------------
     @staticmethod
     def sparse_state(body, q, qd) -> torch.Tensor:
-        """s for HCDR and the student: dof pos, dof vel, root ang vel (root frame), projected gravity (the unit gravity
-        direction in the root frame, as an IMU gives it) [N, 64]."""
+        """s [N, 64]: dof pos, dof vel, root ang vel and projected gravity (in the root frame, as an IMU gives them)."""
         inv_root, ang = quat_conj(body[1][:, 0]), body[3][:, 0]  # the root is body 0 (pelvis)
         down = torch.tensor([0.0, 0.0, -1.0], device=ang.device).expand_as(ang)
         return torch.cat([q, qd, quat_apply(inv_root, ang), quat_apply(inv_root, down)], -1)
@@ -1004,9 +996,8 @@ class TrackingEnv:
 
 
 def body_error_metrics(pos: torch.Tensor, ref_pos: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Distances of the bodies (all, and the SSJR keypoint bodies) to their reference positions, world frame (m),
-    reduced over the bodies: pos, ref_pos [..., B, 3] -> [...] each. The failure test, the training metrics and
-    evaluate.py's GTE / g-mpjpe / keypoint error are all built on these."""
+    """Distances (m) of the bodies and of the SSJR keypoint bodies to their reference positions, world frame, reduced
+    over the bodies: [..., B, 3] -> [...] each. The failure test, training metrics and evaluate.py's errors use them."""
     err_b = (ref_pos - pos).norm(dim=-1)
     err_k = err_b[..., list(ssjr.KEYPOINT_BODY_IDS)]
     return {"gt_err_m": err_b.mean(-1), "keypoint_err_m": err_k.mean(-1), "max_keypoint_err_m": err_k.amax(-1),
@@ -1028,8 +1019,7 @@ def tracking_terms(body, ref):
 
 
 def tile_weights(tile_types, mix: dict[str, float]) -> torch.Tensor:
-    """Spawn weight of each terrain tile: its type's share of the training mix over the number of tiles of that type
-    (the mix is per terrain type, not per tile)."""
+    """Spawn weight of each tile: its type's share of the training mix, split evenly over the tiles of that type."""
     return torch.tensor([mix.get(t, 0.0) / tile_types.count(t) for t in tile_types])
 
 

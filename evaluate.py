@@ -9,9 +9,7 @@
 Settings: `<engine>[+dr][@<terrain>]`; engine = isaaclab | genesis | mujoco | in_domain (the first checkpoint's
 env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab for Genesis); +dr = envs.DR()
 (paper Table 5: dynamics psi, pushes, sensor noise); terrain = flat | smooth_slope | rough_slope. --onnx adds the
-settings deploy[+drift<v>]: the exported student played by deploy.py in MuJoCo from its ONNX contract alone. One env per
-(checkpoint, setting): its env_cfg with these overrides and frame-0 starts (env i plays clips i, i+N, ...), restarted
-by env.reseed(seed) for every seed, closed before the next is built (Isaac Lab: one live env per process).
+settings deploy[+drift<v>]: the exported student played by deploy.py in MuJoCo from its ONNX contract alone.
 
 Episodes. Under +dr every episode draws its own psi (body terms included), tile, pushes and sensor noise from a stream
 seeded by (seed, clip, episode) alone (envs.START_MODES): the episodes are independent samples, and those of two
@@ -51,10 +49,9 @@ Aggregation (a blown-up episode fails and its errors are left out of the means):
 episodes with a 95 % interval over the independent ones (rates: Wilson; other metrics: Student t); several runs: the
 mean of the runs' means, Student-t interval over the runs. Push recovery (+dr): the success rate of the episodes pushed
 at least once. Comparisons against the first label, per setting and metric: the paired difference (episodes paired by
-(clip, seed, episode)), McNemar's exact test for the 0/1 metrics and scipy.stats.ttest_rel for the others; for runs,
-the per-run paired differences (runs paired in the order given; one reference run serves them all), their mean,
-t-interval and one-sample t-test over the runs. p < --alpha is flagged `*`. Outputs in --out-dir: table.md,
-episodes.csv (one row per episode), summary.json. Pictures of a motion: `python ssjr.py show <packet>`.
+(clip, seed, episode)), McNemar's exact test for the 0/1 metrics and scipy.stats.ttest_rel for the others; for runs, the
+per-run paired differences (runs paired in the order given; one reference run serves them all), their mean, t-interval
+and one-sample t-test over the runs. p < --alpha is flagged `*`. Pictures of a motion: `python ssjr.py show <packet>`.
 """
 from __future__ import annotations
 
@@ -165,7 +162,6 @@ def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S, command: str = R
 
 # --- 2. Statistics over episode rows (dicts: label, ckpt, setting, seed, clip, episode, metrics...). ---
 def group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
-    """Rows by the values of `keys`."""
     out: dict[tuple, list[dict]] = {}
     for r in rows:
         out.setdefault(tuple(r[k] for k in keys), []).append(r)
@@ -258,8 +254,7 @@ def pairs(rows: list[dict], ref_rows: list[dict], metric: str) -> tuple[np.ndarr
 
 def compare(rows: list[dict], ref_rows: list[dict], metric: str, independent: bool) -> dict:
     """`rows` - `ref_rows` of one setting (Aggregation): {diff, lo, hi (95 % interval), p, test, n (pairs), runs}, rates
-    in points; 0/1 metrics: Newcombe's interval, McNemar; no interval or test over episodes that are not independent.
-    Several runs against one reference run leave out that run's own spread: the test says so."""
+    in points. Several runs against one reference run leave out that run's own spread: the test says so."""
     scale = 100.0 if metric in PERCENT else 1.0
     runs, ref_runs = list(group(rows, "ckpt").values()), list(group(ref_rows, "ckpt").values())
     if not runs or not ref_runs or 1 not in (len(runs), len(ref_runs)) and len(runs) != len(ref_runs):
@@ -322,8 +317,8 @@ def table1_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
                     columns=TABLE1_METRICS) -> str:
     """Paper Table 1: one row per label, the `columns` per setting; `*` = p < alpha against the first label."""
     by = group(rows, "label", "setting")
-    star = {(c["label"], c["setting"], c["metric"]) for c in comparison_rows(rows, labels, settings, alpha, [
-        m for m, _ in columns]) if c["significant"] and c["reference"] == labels[0]}
+    tests = comparison_rows(rows, labels, settings, alpha, [m for m, _ in columns])
+    star = {(c["label"], c["setting"], c["metric"]) for c in tests if c["significant"] and c["reference"] == labels[0]}
     body = [[label] + [_cell(by.get((label, s.name), []), m, s.dr) + (" *" if (label, s.name, m) in star else "")
                        for s in settings for m, _ in columns] for label in labels]
     return _md(["Method"] + [f"{s.title} {name}" for s in settings for _, name in columns], body)
@@ -396,16 +391,16 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
         if len(labels) < len({r["ckpt"] for r in rows}):  # several runs of a label: a row per checkpoint
             by_run, columns = group(robot, "ckpt", "setting"), TABLE1_METRICS[:2]
             head = ["Method", "checkpoint"] + [f"{s.title} {name}" for s in settings for _, name in columns]
-            parts.append("## Runs\n\n" + _md(head, [[sel[0]["label"], f"`{ckpt}`"] + [
-                _cell(by_run.get((ckpt, s.name), []), m, s.dr) for s in settings for m, _ in columns]
-                for (ckpt,), sel in group(robot, "ckpt").items()]))
+            body = [[label, f"`{ckpt}`"] + [_cell(by_run.get((ckpt, s.name), []), m, s.dr) for s in settings
+                                             for m, _ in columns] for ckpt, label in group(robot, "ckpt", "label")]
+            parts.append("## Runs\n\n" + _md(head, body))
         if with_dr:
             parts.append("## Push recovery\n\n" + push_note + push_markdown(robot, labels, with_dr))
-        by = group(robot, "label", "setting")  # the paper's App. table 'comprehensive metrics'
-        parts += [f"## All metrics: {s.title}\n\n" + _md(["Metric"] + labels, [
-            [(m + " (%)" if m in PERCENT else m) + (" ↓" if m in LOWER_IS_BETTER else " ↑")]
-            + [_cell(by.get((label, s.name), []), m, s.dr) for label in labels] for m in ALL_METRICS])
-            for s in settings]
+        by = group(robot, "label", "setting")
+        for s in settings:  # the paper's App. table 'comprehensive metrics'
+            body = [[(m + " (%)" if m in PERCENT else m) + (" ↓" if m in LOWER_IS_BETTER else " ↑")]
+                    + [_cell(by.get((label, s.name), []), m, s.dr) for label in labels] for m in ALL_METRICS]
+            parts.append(f"## All metrics: {s.title}\n\n" + _md(["Metric"] + labels, body))
         parts += [f"## Per motion: {s.title}\n\n" + per_motion_markdown(robot, labels, s) for s in settings]
         if len(labels) > 1:
             parts.append("## Paired comparisons: robot motions\n\n" + comparison_markdown(
@@ -437,19 +432,21 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
     w.writerows(rows)
     ssjr.write_atomic(out / "episodes.csv", lambda tmp: tmp.write_text(episodes.getvalue(), newline=""))
     kinds = {command: [r for r in rows if r["command"] == command] for command in (ROBOT, HUMAN_KEYPOINTS)}
-    by, by_run = ({command: group(sel, key, "setting") for command, sel in kinds.items()} for key in ("label", "ckpt"))
-    results = lambda command, metrics: {label: {s.name: {m: estimate(by[command].get((label, s.name), []), m,  # noqa
-        s.dr) for m in metrics} for s in settings} for label in labels}
-    runs = lambda command, metrics: {ckpt: {s.name: {m: estimate(by_run[command].get((ckpt, s.name), []), m,  # noqa
-        s.dr) for m in metrics} for s in settings} for ckpt in dict.fromkeys(r["ckpt"] for r in kinds[command])}
+
+    def estimates(command: str, key: str, metrics) -> dict:  # {label or ckpt: {setting: {metric: estimate(...)}}}
+        by = group(kinds[command], key, "setting")
+        names = labels if key == "label" else dict.fromkeys(r["ckpt"] for r in kinds[command])
+        return {name: {s.name: {m: estimate(by.get((name, s.name), []), m, s.dr) for m in metrics} for s in settings}
+                for name in names}
     summary = {"labels": labels, "checkpoints": {r["ckpt"]: r["label"] for r in rows},
                "settings": [dataclasses.asdict(s) for s in settings],
                "clips": list(dict.fromkeys(r["clip"] for r in rows)), "reward_c": REWARD_C,
                "success_threshold_m": SUCCESS_THRESHOLD_M, "alpha": alpha, "notes": list(notes),
-               "results": results(ROBOT, ALL_METRICS),
-               "results_keypoint_commands": results(HUMAN_KEYPOINTS, KEYPOINT_METRICS),
-               "runs": runs(ROBOT, ALL_METRICS), "runs_keypoint_commands": runs(HUMAN_KEYPOINTS, KEYPOINT_METRICS),
-               "comparisons": {command: comparison_rows(sel, labels, settings, alpha) if len(labels) > 1 else []
+               "results": estimates(ROBOT, "label", ALL_METRICS),
+               "results_keypoint_commands": estimates(HUMAN_KEYPOINTS, "label", KEYPOINT_METRICS),
+               "runs": estimates(ROBOT, "ckpt", ALL_METRICS),
+               "runs_keypoint_commands": estimates(HUMAN_KEYPOINTS, "ckpt", KEYPOINT_METRICS),
+               "comparisons": {command: comparison_rows(sel, labels, settings, alpha)
                                for command, sel in kinds.items() if sel}}
     strict = json.loads(json.dumps(summary), parse_constant=lambda _: None)  # NaN, inf -> null (strict JSON)
     ssjr.write_atomic(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(strict, indent=1, allow_nan=False)))
@@ -494,8 +491,7 @@ def motion_name(clip: str) -> str:
 
 
 def resolve_motions(motions: str, packet_dir: str) -> list[pathlib.Path]:
-    """'' -> the test split: the packets of ssjr.TEST_CLIPS (<clip>.npz or its segments <clip>_segNN.npz) under
-    packet_dir; else a folder (every *.npz in it: SSJR packets and/or human keypoint commands) or one such file."""
+    """'' -> the test split under packet_dir (ssjr.TEST_CLIPS: <clip>.npz or its segments <clip>_segNN.npz)."""
     if motions:
         return envs.resolve_motions(motions)
     _, test = ssjr.train_test_split(sorted(pathlib.Path(packet_dir).rglob("*.npz")))
@@ -512,7 +508,7 @@ def load_policy(path, device: str):
 
 def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
                seed: int) -> contextlib.closing:
-    """The checkpoint's env with the setting's overrides (module docstring); closed on exit, also on an error."""
+    """The checkpoint's env with the setting's overrides, closed on exit or error (Isaac Lab: one env per process)."""
     return contextlib.closing(envs.make_env(**{
         **env_cfg, "sim": setting.sim, "dr": "default" if setting.dr else None, "terrain": setting.terrain,
         "motions": [str(p) for p in motion_paths], "num_envs": num_envs, "device": device, "seed": seed,
@@ -529,8 +525,7 @@ def episode_plan(num_envs: int, num_clips: int, episodes_per_clip: int) -> list[
 
 def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int]]], max_steps: int = 0):
     """Roll `policy` in `env` (start='frame0'; `obs` from its first reset or env.reseed(seed): a second reset would
-    skip clips) and yield each planned episode as a dict: clip, episode, steps, RECORDED arrays [T,...] (numpy),
-    failed, time_out, nan, truncated, pushes (steps of the episode that applied a push) and psi (its dynamics)."""
+    skip clips) and yield each planned episode as the dict `record` builds (RECORDED arrays [T,...], numpy)."""
     n = env.num_envs
     k, start = [0] * n, [0] * n  # current episode of each env, and the step it started at
     steps, base, step = [], 0, 0  # steps: per control step, CPU copies of the [N,...] arrays; steps[0] is step `base`
@@ -621,7 +616,7 @@ def parity(args: Args) -> str:
     if ckpt["kind"] != "student":
         raise ssjr.InputError(args.ckpt[0], "--parity compares a student with its ONNX export: this is a teacher")
     onnx_policy, path = deploy.Policy(args.onnx[0]), resolve_motions(args.motions, args.packet_dir)[0]
-    verdict, worst = "", {}
+    worst = {}
     with opened_env(ckpt["env_cfg"], parse_setting("mujoco", "mujoco"), [path], 1, "cpu", seed=0) as env:
         obs, command = env.reseed(0), deploy.Command(path, onnx_policy)
         command.keypoints_w = command.keypoints_w + env.ref_offset[0].numpy()  # the env places the clip on a tile
@@ -636,24 +631,23 @@ def parity(args: Args) -> str:
             terms = [(k, obs[k][0]) for k in ("student_proprio", "history", "history_mask", "terrain")] + [
                 ("root_pos_w", pos), ("root_quat_w", quat), ("keypoints_w", window[:, env.keypoint_ids]),
                 ("student_keypoints (Y_t in the graph)", obs["student_keypoints"][0]), ("alpha", alpha[0])]
+            mine = {**inputs, "student_keypoints (Y_t in the graph)": y_onnx, "alpha": alpha_onnx}
             for name, theirs in terms:
-                mine = {"student_keypoints (Y_t in the graph)": y_onnx, "alpha": alpha_onnx}.get(name, inputs.get(name))
-                err = np.abs(np.asarray(mine, np.float64) - theirs.double().numpy())
+                err = np.abs(np.asarray(mine[name], np.float64) - theirs.double().numpy())
                 worst[name] = max(worst.get(name, 0.0), float(err.max()))
                 if err.max() > (tol := PARITY_TOLERANCE["alpha" if name == "alpha" else "inputs"]):
                     index = [int(i) for i in np.unravel_index(err.argmax(), err.shape)]
                     field = f" ({PROPRIO_FIELDS[index[-1]]})" if name in ("student_proprio", "history") else ""
                     verdict = f"step {t}: {name}{index}{field} differs: max error {err.max():.3g} (tolerance {tol:g})"
-                    break
-            if verdict:
-                break
+                    print(verdict)
+                    return verdict
             obs, _, done, _ = env.step(alpha)
             before, reading = reading, robot.read(data)
             controller.advance(alpha[0].double().numpy(), before, reading)
             if done[0]:
                 break
-    verdict = verdict or (f"all inputs match: {t + 1} steps of {path.stem}; max errors "
-                          + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    verdict = f"all inputs match: {t + 1} steps of {path.stem}; max errors " + ", ".join(
+        f"{k} {v:.1e}" for k, v in worst.items())
     print(verdict)
     return verdict
 
@@ -675,14 +669,15 @@ def main(args: Args) -> dict:
     if args.parity:
         return {"parity": parity(args)}
     labels = list(dict.fromkeys(ckpt_labels + onnx_labels))
-    train_sim = [teacher.load_checkpoint(p) for p in args.ckpt][0]["env_cfg"]["sim"] if args.ckpt else "genesis"
-    settings = [parse_setting(t, train_sim) for t in args.settings] if args.ckpt else []
+    checkpoints = [teacher.load_checkpoint(p) for p in args.ckpt]  # every one is checked before the first rollout
+    settings = [parse_setting(t, checkpoints[0]["env_cfg"]["sim"]) for t in args.settings] if checkpoints else []
     deploy_settings = [Setting("deploy" + (f"+drift{v:g}" if v else ""), "mujoco", False, "flat", False, v)
                        for v in args.root_drift_mps] if args.onnx else []
     motion_paths = resolve_motions(args.motions, args.packet_dir)
     clips, kinds = [p.stem for p in motion_paths], [ssjr.packet_kind(p) for p in motion_paths]
     episodes = {s.name: args.episodes if s.dr else 1 for s in settings}  # without DR: near-identical starts
-    rows, bar = [], tqdm(total=len(args.ckpt) * len(args.seeds) * len(clips) * sum(episodes.values()), unit="episode")
+    planned = {name: len(args.seeds) * len(clips) * n for name, n in episodes.items()}  # per checkpoint
+    rows, bar = [], tqdm(total=len(args.ckpt) * sum(planned.values()), unit="episode")
     for path, label in zip(args.ckpt, ckpt_labels):
         policy, ckpt = load_policy(path, args.device)
         for setting in settings:
@@ -705,8 +700,7 @@ def main(args: Args) -> dict:
             bar.set_description(f"{label} | {setting.name}")
             rows.extend(deploy_rows(path, label, setting, args.seeds, motion_paths, kinds))
     bar.close()
-    notes = coverage_notes(rows, list(args.ckpt), settings, {k: len(clips) * n * len(args.seeds)
-                                                             for k, n in episodes.items()}, args.max_steps)
+    notes = coverage_notes(rows, list(args.ckpt), settings, planned, args.max_steps)
     settings += deploy_settings
     ckpts, names = [*args.ckpt, *args.onnx], [s.name for s in settings]  # episodes finish in any order
     rows.sort(key=lambda r: (ckpts.index(r["ckpt"]), names.index(r["setting"]), r["seed"], clips.index(r["clip"]),

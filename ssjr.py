@@ -159,8 +159,7 @@ def yaw_rad(q: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_z(v: torch.Tensor, angle_rad: torch.Tensor) -> torch.Tensor:
-    """Rotate vectors v [...,3] about world z by angle_rad [...] (broadcast over v's leading axes); 4x cheaper than a
-    quaternion apply for the heading frames the observations use."""
+    """Rotate vectors v [...,3] about world z by angle_rad [...]: 4x cheaper than quat_apply, for heading frames."""
     c, s = torch.cos(angle_rad), torch.sin(angle_rad)
     x, y, z = v.unbind(-1)
     rx, ry = c * x - s * y, s * x + c * y
@@ -192,7 +191,6 @@ def root_relative(points_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w:
 # --- 3. Forward kinematics straight from the MJCF tree (no physics engine): world pose of body i = parent pose * offset
 #    (pos, quat in the parent frame) * rotation about its hinge axis (the pinned G1 MJCF: hinges at the body origins).
 class G1Kinematics:
-    """Batched torch FK of the G1 MJCF (a tree of hinge joints under one free-floating root)."""
     def __init__(self, mjcf_path: str | os.PathLike | None = None, device: str | torch.device = "cpu"):
         root = ET.parse(mjcf_path or g1_mjcf_path()).getroot()
         defaults: dict[str, dict[str, dict[str, str]]] = {}  # <default> class name -> tag -> attributes
@@ -214,11 +212,10 @@ class G1Kinematics:
             parents.append(parent)
             pos.append(vec(body.get("pos"), (0, 0, 0)))
             quat.append(vec(body.get("quat"), (1, 0, 0, 0)))
-            axis.append(np.zeros(3))
             if parent >= 0:  # every body but the root: one hinge (radians)
                 j = attrs(body.find("joint"), cls)
                 dof_names.append(j["name"])
-                axis[-1] = vec(j.get("axis"), (0, 0, 1))
+                axis.append(vec(j.get("axis"), (0, 0, 1)))
                 limits.append(vec(j.get("range"), (-np.inf, np.inf)))
             for g in body.findall("geom"):
                 a = attrs(g, cls)
@@ -236,7 +233,7 @@ class G1Kinematics:
         self.body_names, self.dof_names, self.parents = tuple(names), tuple(dof_names), tuple(parents)
         self.offset_pos = torch.tensor(np.stack(pos), **f32)                  # [B,3] in the parent frame
         self.offset_quat = quat_normalize(torch.tensor(np.stack(quat), **f32))  # [B,4]
-        self.joint_axis = torch.tensor(np.stack(axis), **f32)                 # [B,3] (row 0, the root: unused)
+        self.joint_axis = torch.tensor(np.stack(axis), **f32)                 # [29,3] hinge of body i+1
         self.dof_lower_rad, self.dof_upper_rad = torch.tensor(np.stack(limits).T, **f32)  # [29] each
         self.geom_body = torch.tensor([g[0] for g in geoms], dtype=torch.long, device=device)
         self.geom_ends = torch.tensor(np.stack([g[1] for g in geoms]), **f32)  # [G,2,3]
@@ -245,7 +242,7 @@ class G1Kinematics:
 
     def local_rot(self, dof_pos: torch.Tensor) -> torch.Tensor:
         """[...,29] -> [...,29,4]: rotation of body i+1 relative to its parent (MJCF offset * hinge rotation)."""
-        return quat_mul(self.offset_quat[1:], quat_from_axis_angle(self.joint_axis[1:], dof_pos))
+        return quat_mul(self.offset_quat[1:], quat_from_axis_angle(self.joint_axis, dof_pos))
 
     def forward(self, root_pos: torch.Tensor, root_quat: torch.Tensor, dof_pos: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,8 +267,7 @@ class G1Kinematics:
 #    price is that deployment needs a root pose estimate (odometry or mocap, yaw from the IMU) in the command's frame.
 def keypoint_command(keypoints_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w: torch.Tensor) -> torch.Tensor:
     """Y_t [...,H,J*3] (metres) from the command's world keypoints [...,H,J,3] (KEYPOINT_NAMES order, z up) and the
-    robot's root pose at t (pelvis position [...,3], quaternion wxyz [...,4]; only its yaw is used): each keypoint
-    minus the root position, rotated by -yaw about z."""
+    robot's root pose at t (pelvis position [...,3], quaternion wxyz [...,4]; only its yaw is used)."""
     return root_relative(keypoints_w.flatten(-3, -2), root_pos_w, root_quat_w).reshape(keypoints_w.shape[:-2] + (-1,))
 
 
@@ -311,8 +307,7 @@ class HumanMotion:
 
 
 def detect_format(path: pathlib.Path) -> str:
-    """Format from the file's content (not its name): zip -> npz (AMASS or mjlab by keys), HIERARCHY -> BVH,
-    digits and commas -> G1 CSV, pickle/joblib -> PHC."""
+    """The format from the file's content, not its name (an .npz may hold AMASS or mjlab motion)."""
     with open(path, "rb") as f:
         head = f.read(256)
     if not head:
@@ -441,12 +436,11 @@ def smpl_joints(model: dict[str, np.ndarray], poses: np.ndarray, trans: np.ndarr
     axis-angle poses [T,>=3*22] along the kinematic tree, plus trans [T,3]."""
     nb = min(model["shapedirs"].shape[-1], len(betas))
     rest = model["J_regressor"] @ (model["v_template"] + model["shapedirs"][..., :nb] @ betas[:nb])  # [NJ,3]
-    parents = model["parents"]
-    nj = min(len(parents), poses.shape[1] // 3)
+    nj = min(len(model["parents"]), poses.shape[1] // 3)
     rot = quat_from_rotvec(torch.tensor(poses[:, :3 * nj].reshape(len(poses), nj, 3), dtype=torch.float64))
     rest_t = torch.tensor(rest, dtype=torch.float64)
     glob_q, glob_p = [rot[:, 0]], [rest_t[0] + torch.tensor(trans, dtype=torch.float64)]
-    for j, p in enumerate(parents[1:nj], 1):
+    for j, p in enumerate(model["parents"][1:nj], 1):
         glob_p.append(glob_p[p] + quat_apply(glob_q[p], rest_t[j] - rest_t[p]))
         glob_q.append(quat_mul(glob_q[p], rot[:, j]))
     return torch.stack(glob_p, dim=1).numpy()
@@ -487,8 +481,7 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
     """BVH: parse the hierarchy (offsets, channels) and motion, FK to joint positions (scale_m: metres per file unit,
     CMU/cgspeed 0.056444), rotate `up` to z-up."""
     tokens = path.read_text(errors="replace").split()
-    names, parents, offsets, channels = [], [], [], []
-    stack: list[int] = []
+    names, parents, offsets, channels, stack = [], [], [], [], []  # stack: the open joints, innermost last
     try:
         i = 1  # after HIERARCHY
         while tokens[i].upper() != "MOTION":
@@ -699,11 +692,9 @@ def human_to_g1_keypoints(kin: G1Kinematics, joints: np.ndarray) -> tuple[np.nda
     keypoints = torch.stack([kp[n] for n in KEYPOINT_NAMES], dim=1)
     # Ground: the G1's standing ankle height above its soles, at the clip's typical lowest ankle (5th percentile).
     ankle_height = zero_pos[BODY_NAMES.index("left_ankle_roll_link"), 2] - kin.lowest_point_z(zero_pos, zero_quat)
-    lowest_ankle = keypoints[:, [KEYPOINT_NAMES.index("left_ankle_roll_link"),
-                                 KEYPOINT_NAMES.index("right_ankle_roll_link")], 2].amin(dim=1)
+    lowest_ankle = torch.minimum(kp["left_ankle_roll_link"][:, 2], kp["right_ankle_roll_link"][:, 2])
     keypoints[..., 2] += ankle_height - torch.quantile(lowest_ankle, 0.05)
-    yaw = torch.atan2(pelvis_rot[:, 1, 0], pelvis_rot[:, 0, 0])
-    heading = quat_from_axis_angle(torch.tensor([0.0, 0.0, 1.0]), yaw)
+    heading = z_quat(torch.atan2(pelvis_rot[:, 1, 0], pelvis_rot[:, 0, 0]))
     return keypoints.numpy(), keypoints[:, 0].numpy(), heading.numpy()
 
 
@@ -722,8 +713,7 @@ def stance_reference(kin: G1Kinematics, keypoints_w: np.ndarray, root_quat_w: np
 
 
 def write_atomic(path: str | os.PathLike, writer) -> pathlib.Path:
-    """writer(tmp_path) writes the file; it then replaces `path` in one step (readers never see half a file). Every
-    file this project writes (packets, checkpoints, reports, the ONNX model) goes through here."""
+    """writer(tmp_path) writes the file, which then replaces `path` in one step: readers never see half a file."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # same suffix: writers that go by it still work
@@ -736,8 +726,7 @@ def write_atomic(path: str | os.PathLike, writer) -> pathlib.Path:
 
 
 def save_packet(path: str | os.PathLike, packet: dict) -> pathlib.Path:
-    """Write a packet (robot, or kind='human_keypoints') as an uncompressed .npz: float arrays as float32, names as
-    string arrays, text/source/license as strings."""
+    """Write a packet as an uncompressed .npz: numbers as float32, the rest (names, text, kind) as strings."""
     arrays = {k: np.asarray(v) for k, v in packet.items()}
     arrays = {k: v.astype(np.float32 if v.dtype.kind in "fiu" and k != "kind" else str) for k, v in arrays.items()}
     def write(tmp):
@@ -760,15 +749,13 @@ def packet_kind(path: str | os.PathLike) -> str:
 
 def load_packet(path: str | os.PathLike) -> dict:
     """Read a packet: dict of np arrays (float32), with fps a float, text/source/license/kind str, names lists."""
-    path = pathlib.Path(path)
     try:
         with np.load(path, allow_pickle=False) as d:
             raw = {k: d[k] for k in d.files}
     except Exception as e:
         raise InputError(path, f"cannot read packet ({type(e).__name__}: {e})") from None
     kind = str(raw.get("kind", "robot"))
-    missing = [k for k in (HUMAN_KEYS if kind == "human_keypoints" else PACKET_KEYS) if k not in raw]
-    if missing:
+    if missing := [k for k in (HUMAN_KEYS if kind == "human_keypoints" else PACKET_KEYS) if k not in raw]:
         raise InputError(path, f"not an SSJR packet: missing {missing} (re-convert it: python ssjr.py convert)")
     def plain(v: np.ndarray):  # scalars -> float / str, name arrays -> lists of str, the rest stays an array
         return (float(v) if v.dtype.kind == "f" else str(v)) if v.ndim == 0 else \
@@ -783,22 +770,17 @@ class Convert:
     src: tyro.conf.Positional[tuple[pathlib.Path, ...]]
     """motion files or folders (searched recursively for .csv .npz .pkl .bvh)"""
     out: pathlib.Path = REPO / "data" / "packets"  # output folder (one .npz per 2-10 s segment, named <clip>_segNN.npz)
-    format: Literal["auto", "g1csv", "mjlab", "phc", "amass", "bvh"] = "auto"
-    """loader; auto = detect from the file content"""
-    fps: float | None = None
-    """source frame rate for files without one (CSV; G1 Moves 60 is also read from its manifest.json)"""
+    format: Literal["auto", "g1csv", "mjlab", "phc", "amass", "bvh"] = "auto"  # loader; auto: by the file content
+    fps: float | None = None  # frame rate of files that carry none (CSV; G1 Moves: read from its manifest.json)
     allow_23dof: bool = False  # map 23-DoF G1 data into the 29-DoF order with the 6 wrist joints at 0
-    smpl_model: pathlib.Path | None = None
-    """SMPL-family body model (.npz/.pkl, licensed, not shipped) needed for AMASS files"""
+    smpl_model: pathlib.Path | None = None  # SMPL-family body model (.npz/.pkl, licensed, not shipped) needed for AMASS
     bvh_scale_m: float = 0.056444  # metres per BVH unit (CMU/cgspeed 0.056444)
     bvh_up: Literal["y", "z"] = "y"  # up axis of the BVH files
     glitch_rad_s: float = 25.0  # joint speed above which a frame transition counts as an IK glitch
     glitch_window_s: float = 0.25  # longest window a glitch repair may rewrite; longer -> the segment is dropped
-    limit_tol_rad: float = 0.05
-    """joint-limit excess clipped silently; beyond it the segment is dropped (paper: discard limit violations)"""
+    limit_tol_rad: float = 0.05  # joint-limit excess clipped silently; beyond it the segment is dropped (paper)
     penetration_m: float = 0.02  # a frame penetrates the ground when its lowest collision point is this far below z = 0
-    max_penetration_frac: float = 0.05
-    """drop a segment when more than this fraction of its frames penetrate (paper: 5%)"""
+    max_penetration_frac: float = 0.05  # drop a segment when a larger fraction of its frames penetrates (paper: 5%)
     min_s: float = 2.0  # shortest segment kept (paper: 2 s)
     max_s: float = 10.0  # longest segment (paper: 10 s); longer clips are split evenly
     text: str = ""  # optional text description stored in every packet
@@ -806,8 +788,7 @@ class Convert:
 
 
 @dataclass
-class ClipReport:
-    """What convert did with one clip: segments kept, dropped (by reason), frames repaired or clipped, or its error."""
+class ClipReport:  # what convert did with one clip
     source: str
     clip: str
     kind: str = ""
@@ -842,8 +823,7 @@ def _where(m: RobotMotion | HumanMotion) -> str:
 
 def write_segments(m: RobotMotion | HumanMotion, args: Convert, report: ClipReport, meta: dict, arrays: dict,
                    bounds: list[tuple[int, int]], reasons: list[str] | None = None) -> None:
-    """One packet <clip>_segNN.npz per segment [a, b) of `arrays`; a segment with a reason to drop it is counted.
-    The license: --license, else the SOURCE.txt next to or up to two folders above the source file."""
+    """One packet <clip>_segNN.npz per segment [a, b) of `arrays`; a segment with a reason to drop it is counted."""
     found = [d / "SOURCE.txt" for d in list(pathlib.Path(m.source).parents)[:3] if (d / "SOURCE.txt").exists()]
     meta = dict(fps=FPS, **meta, text=args.text, source=m.source, license=args.license or (
         " ".join(found[0].read_text().split()) if found else "unknown (not stated by the source)"))
@@ -941,8 +921,7 @@ def train_test_split(packet_paths) -> tuple[list, list]:
 def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
                   extra_points: np.ndarray | None = None, title: str = "") -> pathlib.Path:
     """Draw body_pos [T,B,3] (lines along the G1 tree when B = 30, along KEYPOINT_EDGES when B = J) with
-    extra_points [T,J,3] as orange dots: .png = a strip of 8 frames, .mp4 / .gif = an animation at fps. z-up, equal
-    axes, the view follows the root (point 0)."""
+    extra_points [T,J,3] as orange dots: .png = a strip of 8 frames, else an animation. The view follows point 0."""
     from matplotlib import animation, rcParams
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

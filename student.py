@@ -16,11 +16,10 @@ positions the teacher's residual action is centred on, so it outputs the absolut
 Online DAgger. Each iteration the student drives `num_envs` x `num_steps` control steps, its PD targets perturbed by
 Gaussian noise (`action_std`, as rsl_rl samples its student; with probability beta per env and step the executed action
 is the teacher's instead; beta = beta_0 * beta_decay^(iteration-1), default 0 as in the authors' earlier code), the
-frozen teacher labels every visited state with alpha_1 = teacher.act(obs) from the privileged observations the env
-returns alongside, and the student regresses onto the labels: loss = MSE(alpha_2, alpha_1). DAgger aggregates its data
-set: the regression draws its minibatches from the samples of the last `buffer_iterations` rollouts (1: the newest
-only), `update_epochs` x one rollout's worth of samples per iteration, with the learning rate decayed linearly to 0 over
-the budget (the last weights average many small steps).
+frozen teacher labels every visited state with alpha_1 = teacher.act(obs) from its privileged observations, and the
+student regresses onto the labels: loss = MSE(alpha_2, alpha_1). DAgger aggregates its data set: each iteration's
+`update_epochs` x one rollout's worth of minibatch samples are drawn from the last `buffer_iterations` rollouts (1: the
+newest only); the learning rate decays linearly to 0 over the budget (the last weights average many small steps).
 
 Choices where the paper is silent:
 - Nominal pose: TokenPolicy zero-initializes its head, so the student adds a fixed bias alpha_0 = the mean reference
@@ -89,14 +88,12 @@ class Args:
     """m_t of the student: the teacher's HCDR trained on with the DAgger loss | the teacher's, frozen | its own from
     scratch (ablation) | none (the 'w/o HCDR' ablation)"""
     lr: float = 2e-5  # Adam learning rate at the start, decayed linearly to 0 at total_env_steps
-    beta: float = 0.0
-    """beta_0: probability that the executed action is the teacher's (0: the student drives from the start)"""
+    beta: float = 0.0  # beta_0: probability that the executed action is the teacher's (0: only the student drives)
     beta_decay: float = 1.0  # beta of iteration i = beta_0 * beta_decay^(i-1)
     action_std: float = 0.1
     """std (rad) of Gaussian noise on the student's executed PD targets in the rollouts (rsl_rl samples its student
     with std 0.1): the student visits states off its own path and the teacher labels them (0: deterministic)"""
-    d_model: int | None = None
-    """transformer width (None: the teacher's, as all sizes below: the paper's student has the teacher's backbone)"""
+    d_model: int | None = None  # transformer width (None, as all sizes below: the teacher's backbone, as in the paper)
     num_layers: int | None = None  # transformer encoder layers
     num_heads: int | None = None  # attention heads
     ff_dim: int | None = None  # transformer feed-forward width
@@ -123,8 +120,7 @@ class Preset:
 
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "ff_dim", "head_dim", "terrain_dim", "hcdr_queries", "hcdr_dim",
                "hcdr_layers")  # None in Args: the teacher checkpoint's value
-# The student's inputs (env observation keys).
-STUDENT_OBS = ("student_proprio", "student_keypoints", "terrain", "history", "history_mask")
+STUDENT_OBS = ("student_proprio", "student_keypoints", "terrain", "history", "history_mask")  # the student's inputs
 # What the teacher's actor reads to label a state (its critic's observation plays no part in distillation).
 TEACHER_ACTOR_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask")
 
@@ -207,10 +203,9 @@ def train(args: Args, env=None) -> pathlib.Path:
     """Online DAgger. `env`: an env already built from the teacher's env_cfg (tests share one); None builds it."""
     # --- set-up: a resumed run takes its checkpoint's settings (only the budget and the device may change)
     resume = teacher.load_checkpoint(args.resume, "student") if args.resume else None
+    if resume is not None and "rng" not in resume:
+        raise InputError(args.resume, "weights only (a shipped model): it can be evaluated or exported, not resumed")
     if resume is not None:
-        if "rng" not in resume:
-            raise InputError(args.resume, "weights only (a shipped model): it can be evaluated or exported, not "
-                                          "resumed")
         args = dataclasses.replace(teacher.checkpoint_args(args.resume, resume, Args), resume=args.resume,
                                    amp=args.amp, run_dir=str(pathlib.Path(args.resume).parent),
                                    total_env_steps=args.total_env_steps, device=args.device or resume["args"]["device"])
@@ -219,16 +214,16 @@ def train(args: Args, env=None) -> pathlib.Path:
     # device and ranks (torchrun: one process per GPU or CPU core), checked before any engine starts
     world, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(args.device or "cuda")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", local_rank)
-    if device.type != "cuda" and args.amp:
-        raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
-                         f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
+                             f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+    elif args.amp:
+        raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     if world > 1 and not dist.is_initialized():
@@ -247,7 +242,6 @@ def train(args: Args, env=None) -> pathlib.Path:
     if not args.teacher_ckpt:
         raise InputError("--teacher-ckpt", "give the teacher to distil: --teacher-ckpt <teacher.pt>")
     teacher_agent, tckpt = teacher.load_policy(args.teacher_ckpt, device)
-    teacher_agent.requires_grad_(False)
     args = dataclasses.replace(args, **{k: tckpt["args"][k] for k in MODEL_SIZES if getattr(args, k) is None})
     if resume is not None and resume["teacher"]["global_step"] != tckpt["global_step"]:
         raise InputError(args.resume, f"distilled from {args.teacher_ckpt} at teacher step "
@@ -268,8 +262,8 @@ def train(args: Args, env=None) -> pathlib.Path:
     global_step, iteration = 0, 0
     if resume is not None:
         teacher.check_layout(args.resume, resume["obs_layout"], layout, STUDENT_OBS)
-        for module, key in ((policy, "model"), (optimizer, "optimizer")):
-            teacher.load_weights(args.resume, module, resume[key])
+        teacher.load_weights(args.resume, policy, resume["model"])
+        teacher.load_weights(args.resume, optimizer, resume["optimizer"])
         global_step, iteration = resume["global_step"], resume["iteration"]
         print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
     else:
@@ -313,8 +307,7 @@ def train(args: Args, env=None) -> pathlib.Path:
         if rank == 0 and finished["iteration"] > first_iteration:
             ckpt = {"kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
                     "model": policy.state_dict(), "optimizer": optimizer.state_dict(), **finished,
-                    "teacher": {"path": str(args.teacher_ckpt), "global_step": tckpt["global_step"]},
-                    "world_size": world}
+                    "teacher": {"path": args.teacher_ckpt, "global_step": tckpt["global_step"]}, "world_size": world}
             ssjr.write_atomic(run_dir / "student.pt", lambda tmp: torch.save(ckpt, tmp))
 
     first_iteration, start_step = iteration, global_step
@@ -343,8 +336,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             for group in optimizer.param_groups:
                 group["lr"] = args.lr * (1.0 - global_step / args.total_env_steps)
             oldest = collected % args.buffer_iterations * T * n  # this rollout replaces the oldest one
-            # per-iteration sums on the device (read once per iteration): action mse, g-mpjpe, teacher-driven steps
-            step_sums = dict.fromkeys(("action_mse", "gt_err_m", "teacher_fraction"), 0.0)
+            step_sums = dict.fromkeys(("action_mse", "gt_err_m", "teacher_fraction"), 0.0)  # on the device, read once
             episode_sums = dict.fromkeys(("episodes", "length", "successes"), 0.0)
             for step in range(T):
                 with torch.no_grad(), amp():
@@ -359,13 +351,12 @@ def train(args: Args, env=None) -> pathlib.Path:
                 obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, explored))
                 ep_len += 1
                 ended = done.float()
-                for k, v in (("action_mse", (alpha_2 - alpha_1).pow(2).mean()),
-                             ("gt_err_m", info["metrics"]["gt_err_m"].nanmean()),  # nanmean: a blown-up env is NaN
-                             ("teacher_fraction", use_teacher.float().mean())):
-                    step_sums[k] += v
-                for k, v in (("episodes", ended), ("length", ep_len * ended),
-                             ("successes", info["time_out"].float() * ended)):
-                    episode_sums[k] += v.sum()
+                step_sums["action_mse"] += (alpha_2 - alpha_1).pow(2).mean()
+                step_sums["gt_err_m"] += info["metrics"]["gt_err_m"].nanmean()  # nanmean: a blown-up env is NaN
+                step_sums["teacher_fraction"] += use_teacher.float().mean()
+                episode_sums["episodes"] += ended.sum()
+                episode_sums["length"] += (ep_len * ended).sum()
+                episode_sums["successes"] += (info["time_out"].float() * ended).sum()
                 ep_len *= 1.0 - ended
             global_step += per_iteration
             collected += 1

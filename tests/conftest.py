@@ -46,6 +46,7 @@ class FakeEnv:
         self.reward_terms = tuple(envs.REWARD_COEFFS)
         self.motions = type("Motions", (), {"mean_dof_pos": torch.zeros(29), "__len__": lambda self: 1})()
         self.dr = self.clip_weights = None
+        self.physics_s = 0.0
 
     def _obs(self):
         obs = {k: torch.randn(self.num_envs, *s, generator=self.gen) for k, s in self.layout.items()}

@@ -36,7 +36,8 @@ def one_update(agent, rank_obs, batch_obs, world):
     n = len(batch_obs["critic"])
     g = torch.Generator().manual_seed(3)
     pg, v, _, _ = teacher.ppo_losses(learner, batch_obs, torch.randn(n, 29, generator=g), torch.randn(n, generator=g),
-                                     torch.randn(n, generator=g), torch.randn(n, generator=g), 0.2)
+                                     torch.randn(n, generator=g), torch.randn(n, generator=g), torch.zeros(n), 0.2,
+                                     False)
     (pg + v).backward()
     opt.step()
     return agent.state_dict()
