@@ -441,8 +441,17 @@ class IsaacLabSim(EngineSim):
     with zero armature/damping/frictionloss at q = 0: call `set_joint_params` and `write_state` before stepping."""
 
     def __init__(self, num_envs: int, device: str, terrain, dt_s: float = PHYSICS_DT_S):
-        import isaaclab.sim as sim_utils
         import warp as wp
+        wp.config.quiet = True  # Warp's banner; its native init warns on stderr where there is no CUDA driver:
+        with open(os.devnull, "w") as null:  # neither is for users, so it runs with fd 2 on /dev/null
+            saved_fd2 = os.dup(2)
+            os.dup2(null.fileno(), 2)
+            try:
+                wp.init()
+            finally:
+                os.dup2(saved_fd2, 2)
+                os.close(saved_fd2)
+        import isaaclab.sim as sim_utils
         from isaaclab.actuators import ImplicitActuatorCfg
         from isaaclab.app import launch_simulation
         from isaaclab.assets import ArticulationCfg, AssetBaseCfg

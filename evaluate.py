@@ -21,8 +21,7 @@ Motions: the test split (ssjr.TEST_CLIPS) or a folder/file of SSJR packets and/o
 command commands only the SSJR keypoint bodies: it is scored by the keypoint error and the falls in its own report
 section, and its full-body metrics are NaN. An episode runs from frame 0 until its clip ends, its simulation blows up,
 or GTE_t > 0.5 m (for a keypoint command: the mean keypoint error; env termination="mean"): an early end is never a
-success. env.body_pos_w, ref_body_pos_w [N,30,3], body_quat_w, ref_body_quat_w [N,30,4] are recorded right after every
-env.step() (the states the env judged). Per episode of T steps (50 Hz), B=30 bodies:
+success. The errors are of the states the env judged, after every step. Per episode of T steps (50 Hz), B=30 bodies:
 
   GTE_t        = mean_b ||p_ref_tb - p_tb||  (the per-frame g-mpjpe)         (world frame, m)
   success      = max_t GTE_t < 0.5 m and every error finite                   (the paper's success, %)

@@ -30,8 +30,6 @@ Choices where the paper is silent:
   docs/experiments.md); --hcdr teacher keeps it frozen, scratch: its own (ablation), none: no HCDR.
 - Observation noise: the env's, part of its DR (envs.DR); the student and its teacher read the same noisy readings,
   the teacher also its clean privileged ones.
-- The env: the teacher checkpoint's (its engine and motions unless --sim / --motions say otherwise); the observations
-  the teacher's actor reads must have the layout it was trained on.
 """
 from __future__ import annotations
 

@@ -145,15 +145,12 @@ class RunningNorm(nn.Module):
         self.var = (self.var * self.count + batch_var * n + delta.pow(2) * self.count * n / total) / total
         self.count = total
 
-    def normalize(self, x, clip: float = 10.0):
-        return ((x - self.mean) / (self.var.sqrt() + 1e-5)).clamp(-clip, clip)
+    def forward(self, x, clip: float = 10.0):
+        # one new tensor, then in place: these stacks are the largest tensors of a CPU forward pass
+        return (x - self.mean).div_(self.var.sqrt() + 1e-5).clamp_(-clip, clip)
 
     def denormalize(self, x):
         return x * (self.var.sqrt() + 1e-5) + self.mean
-
-    def forward(self, x):
-        # one new tensor, then in place: these stacks are the largest tensors of a CPU forward pass
-        return (x - self.mean).div_(self.var.sqrt() + 1e-5).clamp_(-10, 10)
 
 
 def mlp(sizes, act=nn.ELU, last_act=False):
@@ -510,7 +507,7 @@ def main(args: Args) -> pathlib.Path:
             b_actions, b_logprobs, b_adv, b_returns, b_values = map(flat, (actions, logprobs, advantages, returns,
                                                                           values))
             if agent.value_norm is not None:  # the critic's targets and old outputs in its normalized units
-                b_returns, b_values = agent.value_norm.normalize(b_returns, 5.0), agent.value_norm.normalize(b_values)
+                b_returns, b_values = agent.value_norm(b_returns, 5.0), agent.value_norm(b_values)
             clipfracs, approx_kls = [], []
             for epoch in range(args.update_epochs):
                 perm = torch.randperm(n * T, device=device)

@@ -90,7 +90,7 @@ def test_value_normalization_denormalizes_the_critic_for_gae():
     raw = agent.value(obs, normalized=True)
     assert torch.allclose(agent.value(obs), raw * agent.value_norm.var.sqrt() + agent.value_norm.mean, atol=1e-3)
     assert abs(agent.value_norm.mean.item() - 50.0) < 1.0 and abs(agent.value_norm.var.sqrt().item() - 10.0) < 1.0
-    assert agent.value_norm.normalize(torch.tensor([1000.0]), 5.0).item() == 5.0  # targets clamped at 5
+    assert agent.value_norm(torch.tensor([1000.0]), 5.0).item() == 5.0  # targets clamped at 5
 
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
