@@ -189,6 +189,34 @@ def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeyp
     assert read_log(tmp_path)["iteration"] == [1, 2, 3, 4, 5]
 
 
+def test_clip_reweighting_follows_the_fall_rates(tmp_path, monkeypatch):
+    """--reweight-every: each clip's sampling weight is its fall rate over the episodes that ended since the last
+    re-weighting, floored at 0.05: a clip whose episodes all fail gets 1, one whose episodes all reach the end 0.05;
+    the weights and the returns' statistics (--value-norm) go into the checkpoint."""
+    from conftest import FakeEnv
+
+    class TwoClips(FakeEnv):  # every step ends an episode; env i plays clip i % 2, whose episodes all fail if it is 0
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.motions = type("Motions", (), {"mean_dof_pos": torch.zeros(29), "__len__": lambda self: 2})()
+
+        def step(self, alpha):
+            obs, reward, _, info = super().step(alpha)
+            info["clip"] = torch.arange(self.num_envs) % 2
+            info["failed"], info["time_out"] = info["clip"] == 0, info["clip"] == 1
+            return obs, reward, torch.ones(self.num_envs, dtype=torch.bool), info
+
+    env = TwoClips(LAYOUT, 8)
+    monkeypatch.setattr(teacher, "robot_motions", lambda motions: motions)
+    monkeypatch.setattr(envs, "make_env", lambda **k: env)
+    teacher.main(small_args(num_envs=8, num_steps=4, minibatch_size=16, total_env_steps=2 * 8 * 4, reweight_every=1,
+                            value_norm=True, run_dir=str(tmp_path), torch_threads=1))
+    assert env.clip_weights.tolist() == pytest.approx([1.0, 0.05])
+    ckpt = torch.load(tmp_path / "teacher.pt", weights_only=False)
+    assert ckpt["rng"][0]["env"]["clip_weights"].tolist() == pytest.approx([1.0, 0.05])
+    assert ckpt["model"]["value_norm.count"] > 60  # two rollouts of 32 returns
+
+
 def test_a_teacher_trains_on_robot_motions_only(tmp_path, capsys):
     """Human keypoint commands (BVH, AMASS) cannot be a teacher's reference: a folder mixing both keeps the robot
     motions and names the skipped files; a keypoint file or a folder of them alone is an error naming it."""
