@@ -387,9 +387,10 @@ def main(args: Args) -> pathlib.Path:
     if env.dr is not None:
         env.dr.body_psi_per_episode = args.body_dr_per_episode
     clip_stats = torch.zeros(2, len(env.motions), device=device)  # per clip: episodes ended, falls (re-weighting)
-    if rng is not None:  # this rank's env stream and clip weights, before the first reset
+    if rng is not None:  # this rank's env stream and clip weights, before the first reset (fall counts start anew)
         env.gen.set_state(rng["env"]["gen"])
-        env.clip_weights, clip_stats = rng["env"].get("clip_weights"), rng["env"].get("clip_stats", clip_stats)
+        if rng["env"].get("clip_weights") is not None:
+            env.clip_weights = rng["env"]["clip_weights"].to(device)
     obs = env.reset()
     layout = env.obs_layout
     agent = Agent(layout, args).to(device)
@@ -427,8 +428,7 @@ def main(args: Args) -> pathlib.Path:
 
     def rng_states() -> list[dict]:  # every rank's learner and env streams, in rank order
         states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                  "env": {"gen": env.gen.get_state(), "clip_weights": env.clip_weights,
-                          "clip_stats": clip_stats.clone()},
+                  "env": {"gen": env.gen.get_state(), "clip_weights": env.clip_weights},
                   **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
         out = [states] * world
         if world > 1:

@@ -192,7 +192,7 @@ def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeyp
 def test_clip_reweighting_follows_the_fall_rates(tmp_path, monkeypatch):
     """--reweight-every: each clip's sampling weight is its fall rate over the episodes that ended since the last
     re-weighting, floored at 0.05: a clip whose episodes all fail gets 1, one whose episodes all reach the end 0.05;
-    the weights and the returns' statistics (--value-norm) go into the checkpoint."""
+    the weights and the returns' statistics (--value-norm) go into the checkpoint, and --resume restores the weights."""
     from conftest import FakeEnv
 
     class TwoClips(FakeEnv):  # every step ends an episode; env i plays clip i % 2, whose episodes all fail if it is 0
@@ -215,6 +215,10 @@ def test_clip_reweighting_follows_the_fall_rates(tmp_path, monkeypatch):
     ckpt = torch.load(tmp_path / "teacher.pt", weights_only=False)
     assert ckpt["rng"][0]["env"]["clip_weights"].tolist() == pytest.approx([1.0, 0.05])
     assert ckpt["model"]["value_norm.count"] > 60  # two rollouts of 32 returns
+    resumed = TwoClips(LAYOUT, 8)
+    monkeypatch.setattr(envs, "make_env", lambda **k: resumed)
+    teacher.main(small_args(resume=str(tmp_path / "teacher.pt"), total_env_steps=2 * 8 * 4))  # nothing left to run
+    assert resumed.clip_weights.tolist() == pytest.approx([1.0, 0.05])  # a resumed run samples as the run did
 
 
 def test_a_teacher_trains_on_robot_motions_only(tmp_path, capsys):
