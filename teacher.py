@@ -506,8 +506,8 @@ def main(args: Args) -> pathlib.Path:
             b_obs = {k: flat(v) for k, v in buf_obs.items()}
             b_actions, b_logprobs, b_adv, b_returns, b_values = map(flat, (actions, logprobs, advantages, returns,
                                                                           values))
-            if agent.value_norm is not None:  # the critic's targets and old outputs in its normalized units
-                b_returns, b_values = agent.value_norm(b_returns, 5.0), agent.value_norm(b_values)
+            if agent.value_norm is not None:  # targets clamped at 5; old values unclamped: the critic's own outputs
+                b_returns, b_values = agent.value_norm(b_returns, 5.0), agent.value_norm(b_values, float("inf"))
             clipfracs, approx_kls = [], []
             for epoch in range(args.update_epochs):
                 perm = torch.randperm(n * T, device=device)
