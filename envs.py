@@ -613,7 +613,8 @@ def mujoco_scene_xml() -> str:
 
 class MuJoCoSim(EngineSim):
     """MuJoCo on the CPU: one MjModel and MjData per env (each env's DR writes go to its own model), stepped in loops
-    over slices of the envs on threads (this process's share of the cores; MuJoCo releases the GIL). The scene is
+    over slices of the envs, one per core this process may use (this thread steps one, a pool the others; MuJoCo
+    releases the GIL). The scene is
     SCENE_XML, plus a heightfield for non-flat terrain. Each step is mj_step2 then mj_step1, so positions, velocities
     and kinematics are always those of the current state. MuJoCo resets an env whose state goes bad (non-finite, huge
     accelerations) by itself, with a warning: nan_envs() reports those envs like the other engines' blow-ups."""
@@ -645,24 +646,23 @@ class MuJoCoSim(EngineSim):
         self.feet = np.flatnonzero(np.isin(base.geom_bodyid, [ids[f] for f in FEET]))
         self.default_body_mass_kg = self._t(base.body_mass[self.bodies]).expand(num_envs, -1).clone()
         self._default_inertia, self._default_torso_com = base.body_inertia.copy(), base.body_ipos[self.torso].copy()
-        self._bad = [getattr(mujoco.mjtWarning, f"mjWARN_BAD{x}") for x in ("QPOS", "QVEL", "QACC")]
-        self._warnings, self._blown_up = np.zeros(num_envs, np.int64), np.zeros(num_envs, bool)  # warnings so far
-        for m, d in zip(self.models, self.datas):
-            mujoco.mj_step1(m, d)
+        self._bad = [int(getattr(mujoco.mjtWarning, f"mjWARN_BAD{x}")) for x in ("QPOS", "QVEL", "QACC")]
+        self._q, self._qd = np.zeros((num_envs, NUM_DOF)), np.zeros((num_envs, NUM_DOF))  # joint state, kept current
+        for i in range(num_envs):
+            self._refresh(i)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: none
         threads = max(1, min(num_envs, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         self._slices = [range(k * num_envs // threads, (k + 1) * num_envs // threads) for k in range(threads)]
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads)
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads - 1) if threads > 1 else None  # + this thread
 
     def _refresh(self, i: int, masses: bool = False) -> None:
         """After a write to env i: the constraints' inverse weights if `masses` or armature changed (mj_setConst),
-        kinematics and velocities, and a bad state caught as a blow-up."""
+        kinematics and velocities (a bad state is reset by MuJoCo, with a warning), the joint state's copy."""
+        m, d = self.models[i], self.datas[i]
         if masses:
-            self.mj.mj_setConst(self.models[i], self._scratch)
-        self.mj.mj_step1(self.models[i], self.datas[i])
-        warnings_now = sum(self.datas[i].warning[w].number for w in self._bad)
-        self._blown_up[i] |= warnings_now > self._warnings[i]
-        self._warnings[i] = warnings_now
+            self.mj.mj_setConst(m, self._scratch)
+        self.mj.mj_step1(m, d)
+        self._q[i], self._qd[i] = d.qpos[7:], d.qvel[6:]
 
     def step(self, tau_nm: torch.Tensor) -> None:
         tau = tau_nm.detach().cpu().double().numpy()
@@ -672,10 +672,13 @@ class MuJoCoSim(EngineSim):
                 self.datas[i].qfrc_applied[6:] = tau[i]
                 self.mj.mj_step2(self.models[i], self.datas[i])
                 self._refresh(i)
-        list(self._pool.map(step_slice, self._slices))
+        others = [self._pool.submit(step_slice, envs) for envs in self._slices[1:]]
+        step_slice(self._slices[0])  # the first slice on this thread, the others on the pool's
+        for future in others:
+            future.result()
 
     def dof_state(self):
-        return self._t(np.stack([d.qpos[7:] for d in self.datas])), self._t(np.stack([d.qvel[6:] for d in self.datas]))
+        return self._t(self._q), self._t(self._qd)
 
     def root_state(self):
         pos, quat, lin, ang = self.body_state()
@@ -739,11 +742,16 @@ class MuJoCoSim(EngineSim):
             self._refresh(i, masses=True)
 
     def nan_envs(self) -> torch.Tensor:
-        blown_up, self._blown_up = self._blown_up, np.zeros(self.num_envs, bool)
+        """Envs MuJoCo reset since the last call (a bad position, velocity or acceleration warning). The warning counts
+        are zeroed after each read: a reset zeroes them too and counts 1, so a second blow-up would not raise them."""
+        blown_up = np.array([d.warning.number[self._bad].any() for d in self.datas])
+        for i in np.flatnonzero(blown_up):
+            self.datas[i].warning.number[:] = 0
         return torch.as_tensor(blown_up, device=self.device)
 
     def close(self) -> None:
-        self._pool.shutdown()
+        if self._pool:
+            self._pool.shutdown()
 
 
 # --- The tracking task, written once for every engine.

@@ -434,8 +434,9 @@ def write_nan_joint_velocity(env, i):
     ids = torch.tensor([i])
     if isinstance(env.sim, envs.GenesisSim):
         env.sim.robot.set_dofs_velocity(nan, env.sim.dofs, envs_idx=ids)
-    elif isinstance(env.sim, envs.MuJoCoSim):  # MuJoCo resets it at its next check, with a warning
+    elif isinstance(env.sim, envs.MuJoCoSim):  # MuJoCo resets it at once (its check after each step), with a warning
         env.sim.datas[i].qvel[6:] = nan[0].numpy()
+        env.sim._refresh(i)
     else:
         env.sim.robot.write_joint_velocity_to_sim_index(velocity=nan, env_ids=ids.to(torch.int32))
 
@@ -503,6 +504,21 @@ def test_mujoco_threads_step_the_same_numbers_as_one_loop(train_packet, monkeypa
         return obs, resets
     (one, resets), (three, _) = rollout(1), rollout(3)
     assert resets > 0 and all(torch.equal(one[k], three[k]) for k in one)
+
+
+def test_mujoco_counts_every_blow_up_of_the_same_env(train_packet):
+    """MuJoCo resets a bad state by itself, zeroing its warning counts and then counting 1: a second blow-up of the
+    same env must still be reported (an acceleration blown up inside the engine leaves no NaN for the env to see)."""
+    env = envs.make_env("mujoco", 2, "cpu", train_packet, seed=0)
+    env.reset()
+    for _ in range(3):
+        env.sim.datas[1].qvel[6:] = float("nan")
+        env.sim.step(torch.zeros(2, 29))
+        assert env.sim.nan_envs().tolist() == [False, True]
+        state = [x[1:] for x in (*env.sim.root_state(), *env.sim.dof_state())]
+        env.sim.write_state(torch.tensor([1]), *state)
+        assert not env.sim.nan_envs().any() and torch.isfinite(env.sim.dof_state()[1]).all()
+    env.close()
 
 
 def test_training_levers_frame0_share_clip_weights_and_grace_steps(packets):
