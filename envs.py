@@ -614,10 +614,10 @@ def mujoco_scene_xml() -> str:
 class MuJoCoSim(EngineSim):
     """MuJoCo on the CPU: one MjModel and MjData per env (each env's DR writes go to its own model), stepped in loops
     over slices of the envs, one per core this process may use (this thread steps one, a pool the others; MuJoCo
-    releases the GIL). The scene is
-    SCENE_XML, plus a heightfield for non-flat terrain. Each step is mj_step2 then mj_step1, so positions, velocities
-    and kinematics are always those of the current state. MuJoCo resets an env whose state goes bad (non-finite, huge
-    accelerations) by itself, with a warning: nan_envs() reports those envs like the other engines' blow-ups."""
+    releases the GIL). The scene is SCENE_XML, plus a heightfield for non-flat terrain. Each step is mj_step2 then
+    mj_step1, so positions, velocities and kinematics are always those of the current state. MuJoCo resets an env whose
+    state goes bad (non-finite, huge accelerations) by itself, with a warning: nan_envs() reports those envs like the
+    other engines' blow-ups."""
 
     def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S):
         import mujoco
