@@ -141,6 +141,14 @@ class DR:
     # start (as Isaac Lab's 'startup' mode); on Isaac Lab each such write recomputes every world's model constants.
     body_psi_per_episode: bool = False
 
+    @classmethod
+    def noise_only(cls) -> "DR":
+        """Nominal dynamics (sample_psi(None)'s values, no pushes) with this sensor noise: the deterministic policy's
+        nominal behaviour as a rate over independent episodes, where a nominal setting is one trajectory."""
+        return cls(delay_steps=(0, 0), mass_scale=(1.0, 1.0), joint_scale=(1.0, 1.0), kp_scale=(1.0, 1.0),
+                   kd_scale=(1.0, 1.0), gravity_mps2=(9.81, 9.81), friction=(1.0, 1.0), com_offset_m=0.0,
+                   push_interval_s=(1e9, 1e9))
+
     def sensor_std(self) -> torch.Tensor:
         """Noise std of each field of s [64]: dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
         return torch.tensor([self.noise_dof_pos_rad] * NUM_DOF + [self.noise_dof_vel_rad_s] * NUM_DOF

@@ -6,16 +6,18 @@
     python evaluate.py --ckpt s.pt --settings genesis --seeds 0 --episodes 1 --max-steps 100   # smoke run
     python evaluate.py --ckpt t.pt s0.pt s1.pt s2.pt --labels teacher student student student   # training runs
 
-Settings: `<engine>[+dr][@<terrain>]`; engine = isaaclab | genesis | mujoco | in_domain (the first checkpoint's
+Settings: `<engine>[+dr|+noise][@<terrain>]`; engine = isaaclab | genesis | mujoco | in_domain (the first checkpoint's
 env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab for Genesis); +dr = envs.DR()
-(paper Table 5: dynamics psi, pushes, sensor noise); terrain = flat | smooth_slope | rough_slope. --onnx adds the
+(paper Table 5: dynamics psi, pushes, sensor noise); +noise = envs.DR.noise_only() (nominal dynamics, no pushes, the
+sensor noise alone: the nominal setting as a rate); terrain = flat | smooth_slope | rough_slope. --onnx adds the
 settings deploy[+drift<v>]: the exported student played by deploy.py in MuJoCo from its ONNX contract alone.
 
-Episodes. Under +dr every episode draws its own psi (body terms included), tile, pushes and sensor noise from a stream
-seeded by (seed, clip, episode) alone (envs.START_MODES): the episodes are independent samples, and those of two
-checkpoints with the same key met the same draws (pairs). Without DR an episode is fixed by its clip and tile, and the
-deterministic policy plays it the same way every time: one episode per clip and seed, reported as near-identical starts
-without an interval. Checkpoints sharing a label are training runs (e.g. seeds) of one method: the run is their unit.
+Episodes. Under +dr (and +noise) every episode draws its own psi (body terms included), tile, pushes and sensor noise
+from a stream seeded by (seed, clip, episode) alone (envs.START_MODES): the episodes are independent samples, and those
+of two checkpoints with the same key met the same draws (pairs). Without DR an episode is fixed by its clip and tile,
+and the deterministic policy plays it the same way every time: one episode per clip and seed, reported as near-identical
+starts without an interval. Checkpoints sharing a label are training runs (e.g. seeds) of one method: the run is their
+unit.
 
 Motions: the test split (ssjr.TEST_CLIPS) or a folder/file of SSJR packets and/or human keypoint commands. A keypoint
 command commands only the SSJR keypoint bodies: it is scored by the keypoint error and the falls in its own report
@@ -102,7 +104,7 @@ class Args:
     """table row names, one per checkpoint (default: file stems); checkpoints sharing a label are runs of one method"""
     settings: tuple[str, ...] = ("isaaclab", "isaaclab+dr", "genesis", "genesis+dr",
                                  "zero_shot@smooth_slope", "zero_shot@rough_slope")
-    """evaluation settings, `<engine>[+dr][@<terrain>]` (see the module docstring)"""
+    """evaluation settings, `<engine>[+dr|+noise][@<terrain>]` (see the module docstring)"""
     motions: str = ""  # '' = the test split (ssjr.TEST_CLIPS); else a folder/file of packets and/or keypoint commands
     packet_dir: str = str(ssjr.REPO / "data" / "packets" / "g1_moves")  # searched recursively for test-split packets
     seeds: tuple[int, ...] = (0, 1, 2)  # they seed each episode's psi, tile, pushes and noise (with its clip and index)
@@ -369,13 +371,13 @@ def _counts(rows: list[dict], settings: list[Setting]) -> str:
 def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting], alpha: float, notes=()) -> str:
     """table.md: `notes`, the paper's tables of the robot motions, keypoint error and falls of the keypoint commands."""
     robot, human = ([r for r in rows if r["command"] == c] for c in (ROBOT, HUMAN_KEYPOINTS))
-    flat, with_dr = [s for s in settings if s.terrain == "flat"], [s for s in settings if s.dr]
+    flat, with_dr = [s for s in settings if s.terrain == "flat"], [s for s in settings if s.dr and not s.noise_only]
     push_note = (f"+DR: dynamics psi and sensor noise (envs.DR) on every checkpoint; pushes: a root-velocity kick of "
                  f"up to {envs.DR().push_vel_mps} m/s every U{list(envs.DR().push_interval_s)} s of episode time.\n\n")
     parts = [f"# HoRD evaluation\n\nsuccess = max_t GTE_t < {SUCCESS_THRESHOLD_M} m (GTE_t: the bodies' mean "
              f"position error), the episode ends when it fails; success_strict: every body within "
              f"{SUCCESS_THRESHOLD_M} m. Cells: mean [95 % interval]: rates Wilson over independent episodes (+DR), "
-             f"other metrics Student t; several runs of a label: over the runs. Settings without DR play "
+             f"other metrics Student t; several runs of a label: over the runs. Settings without DR or noise play "
              f"near-identical starts: no interval. `*`: p < {alpha} against {labels[0]} (McNemar for rates, paired t "
              f"otherwise; over runs: t); every pair of labels: the paired comparisons at the end.\n"]
     if notes:
@@ -385,7 +387,7 @@ def report_markdown(rows: list[dict], labels: list[str], settings: list[Setting]
         if flat:
             parts.append("## Table 1: tracking across engines\n\n" + table1_markdown(robot, labels, flat, alpha))
         if sloped := [s for s in settings if s.terrain != "flat"]:
-            terrain = [s for s in flat if any((s.sim, s.dr) == (t.sim, t.dr) for t in sloped)] + sloped
+            terrain = [s for s in flat if s.name in {t.name.partition("@")[0] for t in sloped}] + sloped
             parts.append("## Terrain\n\n" + table1_markdown(robot, labels, terrain, alpha))
         if len(labels) < len({r["ckpt"] for r in rows}):  # several runs of a label: a row per checkpoint
             by_run, columns = group(robot, "ckpt", "setting"), TABLE1_METRICS[:2]
@@ -456,32 +458,34 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
 # --- 4. Settings, motions, checkpoints, envs. ---
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    name: str  # canonical: <engine>[+dr][@<terrain>]
+    name: str  # canonical: <engine>[+dr|+noise][@<terrain>]
     sim: str
-    dr: bool
+    dr: bool  # randomized episodes: +dr or +noise
     terrain: str
     in_domain: bool
     deploy_drift_mps: float | None = None  # played by deploy.py from the ONNX, with this root-estimate drift
+    noise_only: bool = False  # +noise: envs.DR.noise_only()
 
     @property
     def title(self) -> str:
         if (drift := self.deploy_drift_mps) is not None:
             return "deploy.py ONNX, MuJoCo" + (f", root drift {drift:g} m/s" if drift else "")
         terrain = "" if self.terrain == "flat" else f" {self.terrain.replace('_', ' ')}"
-        return f"{ENGINES[self.sim]}{'+DR' if self.dr else ''}{terrain} ({'ID' if self.in_domain else 'OOD'})"
+        dr = "+noise" if self.noise_only else "+DR" if self.dr else ""
+        return f"{ENGINES[self.sim]}{dr}{terrain} ({'ID' if self.in_domain else 'OOD'})"
 
 
 def parse_setting(token: str, train_sim: str) -> Setting:
-    """'<engine>[+dr][@<terrain>]' -> Setting; engine isaaclab | genesis | mujoco | in_domain | zero_shot."""
+    """'<engine>[+dr|+noise][@<terrain>]' -> Setting; engine isaaclab | genesis | mujoco | in_domain | zero_shot."""
     spec, _, terrain = token.lower().partition("@")
     engine, plus, dr = spec.partition("+")
     terrain = terrain or "flat"
     sim = {"in_domain": train_sim, "zero_shot": ZERO_SHOT[train_sim]}.get(engine, engine)
-    if sim not in ENGINES or (plus and dr != "dr") or terrain not in envs.TERRAIN_TYPES:
-        raise ssjr.InputError("--settings", f"bad setting {token!r}: use <engine>[+dr][@<terrain>], engine in "
+    if sim not in ENGINES or (plus and dr not in ("dr", "noise")) or terrain not in envs.TERRAIN_TYPES:
+        raise ssjr.InputError("--settings", f"bad setting {token!r}: use <engine>[+dr|+noise][@<terrain>], engine in "
                               f"{tuple(ENGINES) + ('in_domain', 'zero_shot')}, terrain in {envs.TERRAIN_TYPES}")
-    name = sim + ("+dr" if plus else "") + ("" if terrain == "flat" else f"@{terrain}")
-    return Setting(name, sim, bool(plus), terrain, sim == train_sim)
+    name = sim + plus + dr + ("" if terrain == "flat" else f"@{terrain}")
+    return Setting(name, sim, bool(plus), terrain, sim == train_sim, noise_only=dr == "noise")
 
 
 def motion_name(clip: str) -> str:
@@ -509,7 +513,8 @@ def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path]
                seed: int) -> contextlib.closing:
     """The checkpoint's env with the setting's overrides, closed on exit or error (Isaac Lab: one env per process)."""
     return contextlib.closing(envs.make_env(**{
-        **env_cfg, "sim": setting.sim, "dr": "default" if setting.dr else None, "terrain": setting.terrain,
+        **env_cfg, "sim": setting.sim, "terrain": setting.terrain,
+        "dr": envs.DR.noise_only() if setting.noise_only else "default" if setting.dr else None,
         "motions": [str(p) for p in motion_paths], "num_envs": num_envs, "device": device, "seed": seed,
         "start": "frame0", "exclude_test": False, "termination": "mean"}))
 

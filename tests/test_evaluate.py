@@ -280,7 +280,9 @@ def test_parse_setting():
     assert ev.parse_setting("isaaclab", "isaaclab").title == "IsaacLab (ID)"
     assert ev.parse_setting("zero_shot", "mujoco").name == "genesis"
     assert ev.parse_setting("mujoco+dr", "genesis").title == "MuJoCo+DR (OOD)"
-    for bad in ("physx", "genesis+noise", "genesis@stairs"):
+    s = ev.parse_setting("mujoco+noise", "genesis")
+    assert (s.name, s.dr, s.noise_only, s.title) == ("mujoco+noise", True, True, "MuJoCo+noise (OOD)")
+    for bad in ("physx", "genesis+push", "genesis+dr+noise", "genesis@stairs"):
         with pytest.raises(ValueError, match="bad setting"):
             ev.parse_setting(bad, "isaaclab")
 
@@ -599,7 +601,8 @@ def test_opened_env_is_the_checkpoint_env_cfg_with_the_setting_overrides(monkeyp
         return made[-1][1]
     monkeypatch.setattr(envs, "make_env", make_env)
     cfg = {"sim": "isaaclab", "motions": "data/packets/g1_moves", "terrain": "mix", "dr": "default", "start": "random"}
-    for token, dr in (("zero_shot+dr@rough_slope", "default"), ("in_domain", None)):
+    for token, dr in (("zero_shot+dr@rough_slope", "default"), ("in_domain", None),
+                      ("genesis+noise", envs.DR.noise_only())):
         setting = ev.parse_setting(token, "isaaclab")
         with ev.opened_env(cfg, setting, [pathlib.Path("x.npz")], 3, "cpu", 7) as env:
             assert not env.closed
