@@ -143,11 +143,9 @@ class DR:
 
     @classmethod
     def noise_only(cls) -> "DR":
-        """Nominal dynamics (sample_psi(None)'s values, no pushes) with this sensor noise: the deterministic policy's
-        nominal behaviour as a rate over independent episodes, where a nominal setting is one trajectory."""
-        return cls(delay_steps=(0, 0), mass_scale=(1.0, 1.0), joint_scale=(1.0, 1.0), kp_scale=(1.0, 1.0),
-                   kd_scale=(1.0, 1.0), gravity_mps2=(9.81, 9.81), friction=(1.0, 1.0), com_offset_m=0.0,
-                   push_interval_s=(1e9, 1e9))
+        """Nominal dynamics (NOMINAL_PSI, no pushes) with this sensor noise: the deterministic policy's nominal
+        behaviour as a rate over independent episodes, where a nominal setting is one trajectory."""
+        return cls(**{k: (v, v) for k, v in NOMINAL_PSI.items()}, com_offset_m=0.0, push_interval_s=(1e9, 1e9))
 
     def sensor_std(self) -> torch.Tensor:
         """Noise std of each field of s [64]: dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
@@ -158,6 +156,9 @@ class DR:
 PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction",
             "com_offset_x_m", "com_offset_y_m", "com_offset_z_m")
 BODY_PSI_KEYS = ("mass_scale", "joint_scale", "com_offset_x_m", "com_offset_y_m", "com_offset_z_m")  # see DR
+# the nominal dynamics: no delay, unit scales, earth gravity, friction 1 (and no CoM offset)
+NOMINAL_PSI = dict(delay_steps=0, mass_scale=1.0, joint_scale=1.0, kp_scale=1.0, kd_scale=1.0, gravity_mps2=9.81,
+                   friction=1.0)
 
 
 def uniform(lo_hi: tuple[float, float], n: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -167,9 +168,8 @@ def uniform(lo_hi: tuple[float, float], n: int, gen: torch.Generator, device) ->
 
 def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
     """psi ~ P(Psi) for n episodes; dr=None gives the nominal dynamics (the 'w/o DR' ablation, and clean evaluation)."""
-    if dr is None:  # scales 1, friction 1, no delay, no CoM offset, earth gravity
-        nominal = dict(delay_steps=0.0, gravity_mps2=9.81, com_offset_x_m=0.0, com_offset_y_m=0.0, com_offset_z_m=0.0)
-        return {k: torch.full((n,), nominal.get(k, 1.0), device=device) for k in PSI_KEYS}
+    if dr is None:
+        return {k: torch.full((n,), float(NOMINAL_PSI.get(k, 0.0)), device=device) for k in PSI_KEYS}
     lo, hi = dr.delay_steps  # then the scales, gravity and friction, then the CoM offset (PSI_KEYS order)
     return {"delay_steps": torch.randint(lo, hi + 1, (n,), generator=gen, device=device).float(),
             **{k: uniform(getattr(dr, k), n, gen, device) for k in PSI_KEYS[1:7]},

@@ -78,10 +78,9 @@ def test_kinematic_replay_earns_near_maximal_reward(env):
 
 
 def test_noise_only_dr_is_the_nominal_dynamics_without_pushes_and_with_the_sensor_noise():
-    gen = torch.Generator().manual_seed(0)
-    drawn, nominal = envs.sample_psi(envs.DR.noise_only(), 5, gen, "cpu"), envs.sample_psi(None, 5, gen, "cpu")
+    gen, noise_only = torch.Generator().manual_seed(0), envs.DR.noise_only()
+    drawn, nominal = envs.sample_psi(noise_only, 5, gen, "cpu"), envs.sample_psi(None, 5, gen, "cpu")
     assert all(torch.equal(drawn[k], nominal[k]) for k in envs.PSI_KEYS)
-    noise_only = envs.DR.noise_only()
     assert torch.equal(noise_only.sensor_std(), envs.DR().sensor_std()) and noise_only.noise_keypoint_m > 0
     assert min(noise_only.push_interval_s) > 1e6  # seconds between pushes: none in any clip
 
