@@ -137,6 +137,9 @@ class DR:
     noise_ang_vel_rad_s: float = 0.1  # of the IMU angular velocity
     noise_gravity: float = 0.03  # of the IMU projected gravity (unit vector)
     noise_keypoint_m: float = 0.01  # of each command keypoint reading (one draw per frame, kept while it is in view)
+    # every sensor-noise std above times a per-episode factor U[lo, hi] (drawn last at reset, only if lo < hi: a
+    # policy that only ever read the full noise may fail on cleaner readings; lo = hi scales the same draws)
+    noise_scale: tuple[float, float] = (1.0, 1.0)
     # Redraw the body masses, torso CoM and joint armature/damping/friction at every reset, not once per env at the
     # start (as Isaac Lab's 'startup' mode); on Isaac Lab each such write recomputes every world's model constants.
     body_psi_per_episode: bool = False
@@ -788,6 +791,7 @@ class TrackingEnv:
         self.tile_weights = tile_weights(terrain.tile_types, TERRAIN_MIX).to(dev)
         self.scan_xy, self.spawn_xy = SCAN_XY_M.to(dev), torch.as_tensor(terrain.spawn_xy_m, device=dev)
         self.sensor_std = dr.sensor_std().to(dev) if dr is not None else None
+        self.noise_scale = torch.ones(n, device=dev)  # this episode's factor on the sensor noise (DR.noise_scale)
         self.default_mass = sim.default_body_mass_kg.clone()
         # per-env episode state; the clip's control tick now is tick0 (at the episode start) + step_count
         self.clip, self.tick0, self.step_count = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))
@@ -890,6 +894,8 @@ class TrackingEnv:
                     self.psi[k][ids] = v
             self._write_psi(ids, body)
             self.next_push_s[ids] = self._draw(ids, lambda k, g: uniform(self.dr.push_interval_s, k, g, dev))
+            lo, hi = self.dr.noise_scale
+            self.noise_scale[ids] = lo if lo == hi else self._draw(ids, lambda k, g: uniform((lo, hi), k, g, dev))
         ref = self.reference(env_ids=ids)  # reference-state init; these envs' observation stacks restart (_fresh)
         self.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], ref["body_lin_vel"][:, 0],
                              ref["body_ang_vel"][:, 0], ref["dof_pos"], ref["dof_vel"])
@@ -989,7 +995,7 @@ class TrackingEnv:
 
         s = self.sparse_state(body, q, qd)  # readings s_t (encoders, IMU): one noise draw each, in every stack
         if self.sensor_std is not None:
-            s = s + self.sensor_std * self._randn(s.shape[-1])
+            s = s + self.sensor_std * self.noise_scale[:, None] * self._randn(s.shape[-1])
         proprio = torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
                              heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat), heading(lin), heading(ang),
                              s[:, :2 * NUM_DOF], self.last_alpha], -1)
@@ -1003,7 +1009,7 @@ class TrackingEnv:
                             heading(fut["body_ang_vel"]), fut["dof_pos"]], -1)
         kp_w = ref["body_pos"][:, :self.STUDENT_PAST + self.STUDENT_FUTURE, self.keypoint_ids]
         if self.dr is not None:  # one draw per keypoint of each command frame, kept while the window slides over it
-            noise = self.dr.noise_keypoint_m * self._randn(*kp_w.shape[1:])
+            noise = self.dr.noise_keypoint_m * self.noise_scale[:, None, None, None] * self._randn(*kp_w.shape[1:])
             stack = shift_in(self.keypoint_noise, noise[:, -1]) if advance else self.keypoint_noise
             self.keypoint_noise = torch.where(self._fresh[:, None, None, None], noise, stack)
             kp_w = kp_w + self.keypoint_noise

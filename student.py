@@ -29,7 +29,7 @@ Choices where the paper is silent:
   history normalizer and trains them on with the DAgger loss (it outlived a frozen one in all four test settings,
   docs/experiments.md); --hcdr teacher keeps it frozen, scratch: its own (ablation), none: no HCDR.
 - Observation noise: the env's, part of its DR (envs.DR); the student and its teacher read the same noisy readings,
-  the teacher also its clean privileged ones.
+  the teacher also its clean privileged ones. --noise-scale-min < 1 scales it per episode (from clean to full).
 """
 from __future__ import annotations
 
@@ -91,6 +91,9 @@ class Args:
     action_std: float = 0.1
     """std (rad) of Gaussian noise on the student's executed PD targets in the rollouts (rsl_rl samples its student
     with std 0.1): the student visits states off its own path and the teacher labels them (0: deterministic)"""
+    noise_scale_min: float = 1.0
+    """each rollout episode's sensor noise is the env's times U[this, 1] (envs.DR.noise_scale; 1: always the full
+    noise): a student that only read the full noise may fail on cleaner readings"""
     d_model: int | None = None  # transformer width (None, as all sizes below: the teacher's backbone, as in the paper)
     num_layers: int | None = None  # transformer encoder layers
     num_heads: int | None = None  # attention heads
@@ -209,6 +212,8 @@ def train(args: Args, env=None) -> pathlib.Path:
                                    total_env_steps=args.total_env_steps, device=args.device or resume["args"]["device"])
     if args.buffer_iterations < 1:
         raise InputError("--buffer-iterations", f"must be at least 1 (the newest rollout): {args.buffer_iterations}")
+    if not 0.0 <= args.noise_scale_min <= 1.0:
+        raise InputError("--noise-scale-min", f"must be in [0, 1]: {args.noise_scale_min}")
     # device and ranks (torchrun: one process per GPU or CPU core), checked before any engine starts
     world, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(args.device or "cuda")
@@ -250,6 +255,8 @@ def train(args: Args, env=None) -> pathlib.Path:
     if own_env:
         env = envs.make_env(**env_cfg, num_envs=args.num_envs, device=str(device), seed=args.seed + rank,
                             terrain_seed=args.seed, performance_mode=args.performance_mode)  # one terrain for all
+    if env.dr is not None:
+        env.dr.noise_scale = (args.noise_scale_min, 1.0)
     if rng is not None:  # this rank's env stream, before the first reset
         env.gen.set_state(rng["env"]["gen"])
     obs = env.reset()
