@@ -6,10 +6,11 @@
     python evaluate.py --ckpt s.pt --settings genesis --seeds 0 --episodes 1 --max-steps 100   # smoke run
     python evaluate.py --ckpt t.pt s0.pt s1.pt s2.pt --labels teacher student student student   # training runs
 
-Settings: `<engine>[+dr|+noise][@<terrain>]`; engine = isaaclab | genesis | mujoco | in_domain (the first checkpoint's
-env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab for Genesis); +dr = envs.DR()
-(paper Table 5: dynamics psi, pushes, sensor noise); +noise = envs.DR.noise_only() (nominal dynamics, no pushes, the
-sensor noise alone: the nominal setting as a rate); terrain = flat | smooth_slope | rough_slope. --onnx adds the
+Settings: `<engine>[+dr|+noise][<k>][@<terrain>]`; engine = isaaclab | genesis | mujoco | in_domain (the first
+checkpoint's env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab for Genesis); +dr =
+envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise); +noise = envs.DR.noise_only() (nominal dynamics, no
+pushes, the sensor noise alone: the nominal setting as a rate); k: every sensor-noise std times k (`genesis+noise0.1`:
+a tenth, the same draws scaled; envs.DR.noise_scale); terrain = flat | smooth_slope | rough_slope. --onnx adds the
 settings deploy[+drift<v>]: the exported student played by deploy.py in MuJoCo from its ONNX contract alone.
 
 Episodes. Under +dr (and +noise) every episode draws its own psi (body terms included), tile, pushes and sensor noise
@@ -104,7 +105,7 @@ class Args:
     """table row names, one per checkpoint (default: file stems); checkpoints sharing a label are runs of one method"""
     settings: tuple[str, ...] = ("isaaclab", "isaaclab+dr", "genesis", "genesis+dr",
                                  "zero_shot@smooth_slope", "zero_shot@rough_slope")
-    """evaluation settings, `<engine>[+dr|+noise][@<terrain>]` (see the module docstring)"""
+    """evaluation settings, `<engine>[+dr|+noise][<k>][@<terrain>]` (see the module docstring)"""
     motions: str = ""  # '' = the test split (ssjr.TEST_CLIPS); else a folder/file of packets and/or keypoint commands
     packet_dir: str = str(ssjr.REPO / "data" / "packets" / "g1_moves")  # searched recursively for test-split packets
     seeds: tuple[int, ...] = (0, 1, 2)  # they seed each episode's psi, tile, pushes and noise (with its clip and index)
@@ -458,34 +459,41 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
 # --- 4. Settings, motions, checkpoints, envs. ---
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    name: str  # canonical: <engine>[+dr|+noise][@<terrain>]
+    name: str  # canonical: <engine>[+dr|+noise][<k>][@<terrain>]
     sim: str
     dr: bool  # randomized episodes: +dr or +noise
     terrain: str
     in_domain: bool
     deploy_drift_mps: float | None = None  # played by deploy.py from the ONNX, with this root-estimate drift
     noise_only: bool = False  # +noise: envs.DR.noise_only()
+    noise_scale: float = 1.0  # <k>: the sensor noise times k
 
     @property
     def title(self) -> str:
         if (drift := self.deploy_drift_mps) is not None:
             return "deploy.py ONNX, MuJoCo" + (f", root drift {drift:g} m/s" if drift else "")
         terrain = "" if self.terrain == "flat" else f" {self.terrain.replace('_', ' ')}"
-        dr = "+noise" if self.noise_only else "+DR" if self.dr else ""
+        dr = ("+noise" if self.noise_only else "+DR" if self.dr else "") + (f" x{self.noise_scale:g}" if
+                                                                            self.noise_scale != 1 else "")
         return f"{ENGINES[self.sim]}{dr}{terrain} ({'ID' if self.in_domain else 'OOD'})"
 
 
 def parse_setting(token: str, train_sim: str) -> Setting:
-    """'<engine>[+dr|+noise][@<terrain>]' -> Setting; engine isaaclab | genesis | mujoco | in_domain | zero_shot."""
+    """'<engine>[+dr|+noise][<k>][@<terrain>]' -> Setting; engine isaaclab | genesis | mujoco | in_domain |
+    zero_shot; k: a factor on the sensor noise."""
     spec, _, terrain = token.lower().partition("@")
     engine, plus, dr = spec.partition("+")
     terrain = terrain or "flat"
     sim = {"in_domain": train_sim, "zero_shot": ZERO_SHOT[train_sim]}.get(engine, engine)
-    if sim not in ENGINES or (plus and dr not in ("dr", "noise")) or terrain not in envs.TERRAIN_TYPES:
-        raise ssjr.InputError("--settings", f"bad setting {token!r}: use <engine>[+dr|+noise][@<terrain>], engine in "
-                              f"{tuple(ENGINES) + ('in_domain', 'zero_shot')}, terrain in {envs.TERRAIN_TYPES}")
-    name = sim + plus + dr + ("" if terrain == "flat" else f"@{terrain}")
-    return Setting(name, sim, bool(plus), terrain, sim == train_sim, noise_only=dr == "noise")
+    kind, k = m.groups() if (m := re.fullmatch(r"(dr|noise)(\d+\.?\d*|\.\d+)?", dr)) else (None, None)
+    if sim not in ENGINES or (plus and not kind) or terrain not in envs.TERRAIN_TYPES:
+        raise ssjr.InputError("--settings", f"bad setting {token!r}: use <engine>[+dr|+noise][<k>][@<terrain>], engine "
+                              f"in {tuple(ENGINES) + ('in_domain', 'zero_shot')}, k a number, terrain in "
+                              f"{envs.TERRAIN_TYPES}")
+    scale = float(k or 1)
+    name = (sim + plus + (kind or "") + (f"{scale:g}" if scale != 1 else "")
+            + ("" if terrain == "flat" else f"@{terrain}"))
+    return Setting(name, sim, bool(plus), terrain, sim == train_sim, noise_only=kind == "noise", noise_scale=scale)
 
 
 def motion_name(clip: str) -> str:
@@ -512,9 +520,10 @@ def load_policy(path, device: str):
 def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
                seed: int) -> contextlib.closing:
     """The checkpoint's env with the setting's overrides, closed on exit or error (Isaac Lab: one env per process)."""
+    dr = envs.DR.noise_only() if setting.noise_only else envs.DR() if setting.dr else None
     return contextlib.closing(envs.make_env(**{
         **env_cfg, "sim": setting.sim, "terrain": setting.terrain,
-        "dr": envs.DR.noise_only() if setting.noise_only else "default" if setting.dr else None,
+        "dr": dr and dataclasses.replace(dr, noise_scale=(setting.noise_scale,) * 2),
         "motions": [str(p) for p in motion_paths], "num_envs": num_envs, "device": device, "seed": seed,
         "start": "frame0", "exclude_test": False, "termination": "mean"}))
 

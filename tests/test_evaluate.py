@@ -282,7 +282,11 @@ def test_parse_setting():
     assert ev.parse_setting("mujoco+dr", "genesis").title == "MuJoCo+DR (OOD)"
     s = ev.parse_setting("mujoco+noise", "genesis")
     assert (s.name, s.dr, s.noise_only, s.title) == ("mujoco+noise", True, True, "MuJoCo+noise (OOD)")
-    for bad in ("physx", "genesis+push", "genesis+dr+noise", "genesis@stairs"):
+    s = ev.parse_setting("genesis+noise0.1", "genesis")
+    assert (s.name, s.noise_only, s.noise_scale, s.title) == ("genesis+noise0.1", True, 0.1, "Genesis+noise x0.1 (ID)")
+    assert ev.parse_setting("isaaclab+dr1.0", "genesis").name == "isaaclab+dr"
+    for bad in ("physx", "genesis+push", "genesis+dr+noise", "genesis@stairs", "genesis+", "genesis+noise0.1.2",
+                "genesis+0.1"):
         with pytest.raises(ValueError, match="bad setting"):
             ev.parse_setting(bad, "isaaclab")
 
@@ -601,8 +605,9 @@ def test_opened_env_is_the_checkpoint_env_cfg_with_the_setting_overrides(monkeyp
         return made[-1][1]
     monkeypatch.setattr(envs, "make_env", make_env)
     cfg = {"sim": "isaaclab", "motions": "data/packets/g1_moves", "terrain": "mix", "dr": "default", "start": "random"}
-    for token, dr in (("zero_shot+dr@rough_slope", "default"), ("in_domain", None),
-                      ("genesis+noise", envs.DR.noise_only())):
+    for token, dr in (("zero_shot+dr@rough_slope", envs.DR()), ("in_domain", None),
+                      ("genesis+noise", envs.DR.noise_only()),
+                      ("genesis+noise0.3", dataclasses.replace(envs.DR.noise_only(), noise_scale=(0.3, 0.3)))):
         setting = ev.parse_setting(token, "isaaclab")
         with ev.opened_env(cfg, setting, [pathlib.Path("x.npz")], 3, "cpu", 7) as env:
             assert not env.closed
