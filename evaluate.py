@@ -473,8 +473,8 @@ class Setting:
         if (drift := self.deploy_drift_mps) is not None:
             return "deploy.py ONNX, MuJoCo" + (f", root drift {drift:g} m/s" if drift else "")
         terrain = "" if self.terrain == "flat" else f" {self.terrain.replace('_', ' ')}"
-        dr = ("+noise" if self.noise_only else "+DR" if self.dr else "") + (f" x{self.noise_scale:g}" if
-                                                                            self.noise_scale != 1 else "")
+        dr = "+noise" if self.noise_only else "+DR" if self.dr else ""
+        dr += f" x{self.noise_scale:g}" if self.noise_scale != 1 else ""
         return f"{ENGINES[self.sim]}{dr}{terrain} ({'ID' if self.in_domain else 'OOD'})"
 
 
@@ -523,7 +523,7 @@ def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path]
     dr = envs.DR.noise_only() if setting.noise_only else envs.DR() if setting.dr else None
     return contextlib.closing(envs.make_env(**{
         **env_cfg, "sim": setting.sim, "terrain": setting.terrain,
-        "dr": dr and dataclasses.replace(dr, noise_scale=(setting.noise_scale,) * 2),
+        "dr": None if dr is None else dataclasses.replace(dr, noise_scale=(setting.noise_scale,) * 2),
         "motions": [str(p) for p in motion_paths], "num_envs": num_envs, "device": device, "seed": seed,
         "start": "frame0", "exclude_test": False, "termination": "mean"}))
 
