@@ -97,6 +97,9 @@ class Args:
     body_dr_per_episode: bool = False
     """redraw the body terms of psi (masses, CoM, joints) at every reset of a rollout episode, not once per env at the
     start: the student meets many more bodies than it has envs"""
+    nominal_share: float = 0.0
+    """share of the rollout envs that keep the nominal dynamics (envs.DR.nominal_share: no body or gain changes, no
+    delay, no pushes; the sensor noise stays): the student meets the physics of a nominal evaluation"""
     d_model: int | None = None  # transformer width (None, as all sizes below: the teacher's backbone, as in the paper)
     num_layers: int | None = None  # transformer encoder layers
     num_heads: int | None = None  # attention heads
@@ -261,6 +264,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     if env.dr is not None:
         env.dr.noise_scale = (args.noise_scale_min, 1.0)
         env.dr.body_psi_per_episode = args.body_dr_per_episode
+        env.dr.nominal_share = args.nominal_share
     if rng is not None:  # this rank's env stream, before the first reset
         env.gen.set_state(rng["env"]["gen"])
     obs = env.reset()
