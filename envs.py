@@ -143,9 +143,6 @@ class DR:
     # Redraw the body masses, torso CoM and joint armature/damping/friction at every reset, not once per env at the
     # start (as Isaac Lab's 'startup' mode); on Isaac Lab each such write recomputes every world's model constants.
     body_psi_per_episode: bool = False
-    # The first round(this x num_envs) envs keep the nominal dynamics (NOMINAL_PSI, no CoM shift, no pushes) with the
-    # sensor noise: a policy trained only on randomized bodies never meets the physics of a nominal evaluation.
-    nominal_share: float = 0.0
 
     @classmethod
     def noise_only(cls) -> "DR":
@@ -895,14 +892,8 @@ class TrackingEnv:
             for k, v in self._draw(ids, lambda k, g: sample_psi(self.dr, k, g, dev)).items():
                 if body or k not in BODY_PSI_KEYS:
                     self.psi[k][ids] = v
-            self.next_push_s[ids] = self._draw(ids, lambda k, g: uniform(self.dr.push_interval_s, k, g, dev))
-            nominal = ids[ids < round(self.dr.nominal_share * self.num_envs)]
-            for k, v in self.psi.items():
-                v[nominal] = NOMINAL_PSI.get(k, 0.0)
-            self.next_push_s[nominal] = float("inf")
             self._write_psi(ids, body)
-            if len(nominal) and not body:  # their body terms, drawn at the start, back to nominal
-                self._write_psi(nominal, True)
+            self.next_push_s[ids] = self._draw(ids, lambda k, g: uniform(self.dr.push_interval_s, k, g, dev))
             lo, hi = self.dr.noise_scale
             self.noise_scale[ids] = lo if lo == hi else self._draw(ids, lambda k, g: uniform((lo, hi), k, g, dev))
         ref = self.reference(env_ids=ids)  # reference-state init; these envs' observation stacks restart (_fresh)

@@ -94,9 +94,6 @@ class Args:
     noise_scale_min: float = 1.0
     """each rollout episode's sensor noise is the env's times U[this, 1] (envs.DR.noise_scale; 1: always the full
     noise): a student that only read the full noise may fail on cleaner readings"""
-    nominal_share: float = 0.0
-    """share of the rollout envs that keep the nominal dynamics (envs.DR.nominal_share: no body or gain changes, no
-    delay, no pushes; the sensor noise stays): the student meets the physics of a nominal evaluation"""
     d_model: int | None = None  # transformer width (None, as all sizes below: the teacher's backbone, as in the paper)
     num_layers: int | None = None  # transformer encoder layers
     num_heads: int | None = None  # attention heads
@@ -260,7 +257,6 @@ def train(args: Args, env=None) -> pathlib.Path:
                             terrain_seed=args.seed, performance_mode=args.performance_mode)  # one terrain for all
     if env.dr is not None:
         env.dr.noise_scale = (args.noise_scale_min, 1.0)
-        env.dr.nominal_share = args.nominal_share
     if rng is not None:  # this rank's env stream, before the first reset
         env.gen.set_state(rng["env"]["gen"])
     obs = env.reset()

@@ -109,18 +109,6 @@ def test_psi_differs_across_envs_fixed_in_episode_resampled_at_reset(env):
     assert torch.equal(env.psi["mass_scale"][2:], psi0["mass_scale"][2:])
 
 
-def test_nominal_share_keeps_the_first_envs_at_the_nominal_dynamics(env):
-    env.dr.nominal_share = 2 / N
-    try:
-        env.reset()
-    finally:
-        env.dr.nominal_share = 0.0
-    for k in envs.PSI_KEYS:  # no delay, unit scales, 9.81 m/s^2, friction 1, no CoM offset: DR.noise_only's psi
-        assert (env.psi[k][:2] == envs.NOMINAL_PSI.get(k, 0.0)).all(), k
-    assert len(set(env.psi["mass_scale"][2:].tolist())) == N - 2
-    assert torch.isinf(env.next_push_s[:2]).all() and torch.isfinite(env.next_push_s[2:]).all()
-
-
 def test_control_delay_shifts_the_torque_step_by_d_physics_steps(env):
     env.reset()
     env.psi["delay_steps"][:4] = torch.arange(4.0)
