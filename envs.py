@@ -137,9 +137,7 @@ class DR:
     noise_ang_vel_rad_s: float = 0.1  # of the IMU angular velocity
     noise_gravity: float = 0.03  # of the IMU projected gravity (unit vector)
     noise_keypoint_m: float = 0.01  # of each command keypoint reading (one draw per frame, kept while it is in view)
-    # every sensor-noise std above times a per-episode factor U[lo, hi] (drawn last at reset, only if lo < hi: a
-    # policy that only ever read the full noise may fail on cleaner readings; lo = hi scales the same draws)
-    noise_scale: tuple[float, float] = (1.0, 1.0)
+    noise_scale: float = 1.0  # every sensor-noise std above times this (the same draws, scaled: evaluate.py +noise<k>)
     # Redraw the body masses, torso CoM and joint armature/damping/friction at every reset, not once per env at the
     # start (as Isaac Lab's 'startup' mode); on Isaac Lab each such write recomputes every world's model constants.
     body_psi_per_episode: bool = False
@@ -152,8 +150,8 @@ class DR:
 
     def sensor_std(self) -> torch.Tensor:
         """Noise std of each field of s [64]: dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
-        return torch.tensor([self.noise_dof_pos_rad] * NUM_DOF + [self.noise_dof_vel_rad_s] * NUM_DOF
-                            + [self.noise_ang_vel_rad_s] * 3 + [self.noise_gravity] * 3)
+        return self.noise_scale * torch.tensor([self.noise_dof_pos_rad] * NUM_DOF + [self.noise_dof_vel_rad_s] * NUM_DOF
+                                               + [self.noise_ang_vel_rad_s] * 3 + [self.noise_gravity] * 3)
 
 
 PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction",
@@ -692,8 +690,7 @@ class MuJoCoSim(EngineSim):
         return self._t(self._q), self._t(self._qd)
 
     def root_state(self):
-        pos, quat, lin, ang = self.body_state()
-        return pos[:, 0], quat[:, 0], lin[:, 0], ang[:, 0]
+        return tuple(x[:, 0] for x in self.body_state())  # the pelvis, body 0
 
     def body_state(self):
         """World positions, wxyz quaternions, and velocities of the body frames' origins (d/dt body_pos, as the other
@@ -791,7 +788,6 @@ class TrackingEnv:
         self.tile_weights = tile_weights(terrain.tile_types, TERRAIN_MIX).to(dev)
         self.scan_xy, self.spawn_xy = SCAN_XY_M.to(dev), torch.as_tensor(terrain.spawn_xy_m, device=dev)
         self.sensor_std = dr.sensor_std().to(dev) if dr is not None else None
-        self.noise_scale = torch.ones(n, device=dev)  # this episode's factor on the sensor noise (DR.noise_scale)
         self.default_mass = sim.default_body_mass_kg.clone()
         # per-env episode state; the clip's control tick now is tick0 (at the episode start) + step_count
         self.clip, self.tick0, self.step_count = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))
@@ -862,8 +858,7 @@ class TrackingEnv:
         return self.reset()
 
     def reset(self, env_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        ids = self.all_ids if env_ids is None else env_ids
-        if len(ids):
+        if len(ids := self.all_ids if env_ids is None else env_ids):
             self._reset_envs(ids)
         return self._observe(self.sim.body_state(), *self.sim.dof_state(), advance=False)
 
@@ -894,8 +889,6 @@ class TrackingEnv:
                     self.psi[k][ids] = v
             self._write_psi(ids, body)
             self.next_push_s[ids] = self._draw(ids, lambda k, g: uniform(self.dr.push_interval_s, k, g, dev))
-            lo, hi = self.dr.noise_scale
-            self.noise_scale[ids] = lo if lo == hi else self._draw(ids, lambda k, g: uniform((lo, hi), k, g, dev))
         ref = self.reference(env_ids=ids)  # reference-state init; these envs' observation stacks restart (_fresh)
         self.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], ref["body_lin_vel"][:, 0],
                              ref["body_ang_vel"][:, 0], ref["dof_pos"], ref["dof_vel"])
@@ -966,8 +959,7 @@ class TrackingEnv:
         info = {"metrics": metrics, "reward_terms": kernels, "power_w": power_w, "time_out": time_out & ~failed,
                 "failed": failed, "nan": blown_up, "pushed": push, "psi": {k: v.clone() for k, v in psi.items()},
                 "clip": self.clip.clone(), "nan_resets": self.nan_resets}
-        ids = done.nonzero().squeeze(-1)  # the other host read: which envs reset
-        if len(ids):
+        if len(ids := done.nonzero().squeeze(-1)):  # the other host read: which envs reset
             self._reset_envs(ids)
             body, (q, qd) = self.sim.body_state(), self.sim.dof_state()
         return self._observe(body, q, qd, advance=True), reward, done, info
@@ -995,7 +987,7 @@ class TrackingEnv:
 
         s = self.sparse_state(body, q, qd)  # readings s_t (encoders, IMU): one noise draw each, in every stack
         if self.sensor_std is not None:
-            s = s + self.sensor_std * self.noise_scale[:, None] * self._randn(s.shape[-1])
+            s = s + self.sensor_std * self._randn(s.shape[-1])
         proprio = torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
                              heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat), heading(lin), heading(ang),
                              s[:, :2 * NUM_DOF], self.last_alpha], -1)
@@ -1009,7 +1001,7 @@ class TrackingEnv:
                             heading(fut["body_ang_vel"]), fut["dof_pos"]], -1)
         kp_w = ref["body_pos"][:, :self.STUDENT_PAST + self.STUDENT_FUTURE, self.keypoint_ids]
         if self.dr is not None:  # one draw per keypoint of each command frame, kept while the window slides over it
-            noise = self.dr.noise_keypoint_m * self.noise_scale[:, None, None, None] * self._randn(*kp_w.shape[1:])
+            noise = self.dr.noise_keypoint_m * self.dr.noise_scale * self._randn(*kp_w.shape[1:])
             stack = shift_in(self.keypoint_noise, noise[:, -1]) if advance else self.keypoint_noise
             self.keypoint_noise = torch.where(self._fresh[:, None, None, None], noise, stack)
             kp_w = kp_w + self.keypoint_noise
@@ -1038,8 +1030,7 @@ def body_error_metrics(pos: torch.Tensor, ref_pos: torch.Tensor) -> dict[str, to
 def tracking_terms(body, ref):
     """Mean squared tracking errors (the exp-reward arguments) and the per-env metrics of the paper."""
     pos, quat, lin, ang = body
-    dp = ref["body_pos"] - pos
-    angle = ssjr.quat_angle(quat, ref["body_quat"])
+    dp, angle = ref["body_pos"] - pos, ssjr.quat_angle(quat, ref["body_quat"])
     rel = ((ref["body_pos"] - ref["body_pos"][:, :1]) - (pos - pos[:, :1])).norm(dim=-1)  # root-relative error
     terms = {"gt": dp.pow(2).mean((-1, -2)), "gr": angle.pow(2).mean(-1),
              "gv": (ref["body_lin_vel"] - lin).pow(2).mean((-1, -2)),
@@ -1133,13 +1124,6 @@ def bench_sim(args: Bench, sim: str) -> float:
     return ours
 
 
-def bench(args: Bench) -> None:
-    torch.set_num_threads(args.torch_threads)
-    ours = bench_sim(args, args.sim)
-    if args.sim == "mujoco":  # the engine it would replace on the CPU, same scene and loop, same run
-        print(f"MuJoCo env / Genesis env: {ours / bench_sim(args, 'genesis'):.2f}x")
-
-
 @dataclass
 class Scene:
     """python envs.py scene: (re)write g1_scene.xml from the G1 MJCF and the joint constants above"""
@@ -1153,6 +1137,9 @@ if __name__ == "__main__":
         if isinstance(args, Scene):
             print(f"wrote {ssjr.write_atomic(args.out, lambda tmp: tmp.write_text(mujoco_scene_xml()))}")
         else:
-            bench(args)
+            torch.set_num_threads(args.torch_threads)
+            ours = bench_sim(args, args.sim)
+            if args.sim == "mujoco":  # the engine it would replace on the CPU, same scene and loop, same run
+                print(f"MuJoCo env / Genesis env: {ours / bench_sim(args, 'genesis'):.2f}x")
     except InputError as e:
         raise SystemExit(f"error: {e}")

@@ -523,7 +523,7 @@ def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path]
     dr = envs.DR.noise_only() if setting.noise_only else envs.DR() if setting.dr else None
     return contextlib.closing(envs.make_env(**{
         **env_cfg, "sim": setting.sim, "terrain": setting.terrain,
-        "dr": None if dr is None else dataclasses.replace(dr, noise_scale=(setting.noise_scale,) * 2),
+        "dr": None if dr is None else dataclasses.replace(dr, noise_scale=setting.noise_scale),
         "motions": [str(p) for p in motion_paths], "num_envs": num_envs, "device": device, "seed": seed,
         "start": "frame0", "exclude_test": False, "termination": "mean"}))
 

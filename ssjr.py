@@ -960,8 +960,7 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
             draw(ax, t)
         fig.savefig(out_path, dpi=110)
         return out_path
-    mp4 = out_path.suffix.lower() == ".mp4"
-    if mp4:
+    if mp4 := out_path.suffix.lower() == ".mp4":
         import imageio_ffmpeg
         rcParams["animation.ffmpeg_path"] = imageio_ffmpeg.get_ffmpeg_exe()
     writer = animation.FFMpegWriter(fps=fps, bitrate=1800) if mp4 else animation.PillowWriter(fps=fps)
@@ -990,7 +989,7 @@ def show(packet: tyro.conf.Positional[pathlib.Path], out: pathlib.Path = pathlib
     return f"wrote {render_motion(body, out, p['fps'], keypoints, title=packet.stem + ' (' + p['kind'] + ')')}"
 
 
-def main() -> None:
+if __name__ == "__main__":
     torch.set_num_threads(1)  # small tensors: threads only add overhead
     try:
         out = tyro.extras.subcommand_cli_from_dict({"convert": Convert, "show": show})
@@ -1006,7 +1005,3 @@ def main() -> None:
         print(out)
     except InputError as e:
         sys.exit(f"error: {e}")
-
-
-if __name__ == "__main__":
-    main()

@@ -29,7 +29,7 @@ Choices where the paper is silent:
   history normalizer and trains them on with the DAgger loss (it outlived a frozen one in all four test settings,
   docs/experiments.md); --hcdr teacher keeps it frozen, scratch: its own (ablation), none: no HCDR.
 - Observation noise: the env's, part of its DR (envs.DR); the student and its teacher read the same noisy readings,
-  the teacher also its clean privileged ones. --noise-scale-min < 1 scales it per episode (from clean to full).
+  the teacher also its clean privileged ones.
 """
 from __future__ import annotations
 
@@ -91,9 +91,6 @@ class Args:
     action_std: float = 0.1
     """std (rad) of Gaussian noise on the student's executed PD targets in the rollouts (rsl_rl samples its student
     with std 0.1): the student visits states off its own path and the teacher labels them (0: deterministic)"""
-    noise_scale_min: float = 1.0
-    """each rollout episode's sensor noise is the env's times U[this, 1] (envs.DR.noise_scale; 1: always the full
-    noise): a student that only read the full noise may fail on cleaner readings"""
     d_model: int | None = None  # transformer width (None, as all sizes below: the teacher's backbone, as in the paper)
     num_layers: int | None = None  # transformer encoder layers
     num_heads: int | None = None  # attention heads
@@ -181,10 +178,7 @@ def dagger_update(policy: nn.Module, optimizer, b_obs: dict, b_labels: torch.Ten
             losses.append(loss.detach())
         epoch_losses.append(torch.stack(losses).mean())
     policy.eval()
-    epoch_losses = torch.stack(epoch_losses)
-    if world > 1:  # the mean over the ranks
-        dist.all_reduce(epoch_losses)
-    return (epoch_losses / world).tolist()
+    return (teacher.all_reduce(torch.stack(epoch_losses)) / world).tolist()  # the mean over the ranks
 
 
 def student_env_cfg(args: Args, teacher_ckpt: dict) -> dict:
@@ -212,8 +206,6 @@ def train(args: Args, env=None) -> pathlib.Path:
                                    total_env_steps=args.total_env_steps, device=args.device or resume["args"]["device"])
     if args.buffer_iterations < 1:
         raise InputError("--buffer-iterations", f"must be at least 1 (the newest rollout): {args.buffer_iterations}")
-    if not 0.0 <= args.noise_scale_min <= 1.0:
-        raise InputError("--noise-scale-min", f"must be in [0, 1]: {args.noise_scale_min}")
     # device and ranks (torchrun: one process per GPU or CPU core), checked before any engine starts
     world, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(args.device or "cuda")
@@ -255,8 +247,6 @@ def train(args: Args, env=None) -> pathlib.Path:
     if own_env:
         env = envs.make_env(**env_cfg, num_envs=args.num_envs, device=str(device), seed=args.seed + rank,
                             terrain_seed=args.seed, performance_mode=args.performance_mode)  # one terrain for all
-    if env.dr is not None:
-        env.dr.noise_scale = (args.noise_scale_min, 1.0)
     if rng is not None:  # this rank's env stream, before the first reset
         env.gen.set_state(rng["env"]["gen"])
     obs = env.reset()
@@ -332,9 +322,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     start_time = time.time()
     try:
         while global_step + per_iteration <= args.total_env_steps:
-            if world > 1:
-                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-            if stop.item():
+            if teacher.all_reduce(stop).item():  # a signal on any rank stops every rank
                 break
             iteration += 1
             beta = args.beta * args.beta_decay ** (iteration - 1)
@@ -377,11 +365,9 @@ def train(args: Args, env=None) -> pathlib.Path:
 
             # logging: one host read (means over the ranks, episode sums over all of them)
             totals = {**episode_sums, "nan_resets": env.nan_resets}
-            mean_t = torch.stack(list(step_sums.values())) / T
-            total_t = torch.stack([torch.as_tensor(v, device=device).float() for v in totals.values()])
-            if world > 1:
-                dist.all_reduce(mean_t)
-                dist.all_reduce(total_t)
+            mean_t = teacher.all_reduce(torch.stack(list(step_sums.values())) / T)
+            total_t = teacher.all_reduce(torch.stack([torch.as_tensor(v, device=device).float()
+                                                      for v in totals.values()]))
             mean, total = dict(zip(step_sums, (mean_t / world).tolist())), dict(zip(totals, total_t.tolist()))
             per_episode = {k: total[k] / total["episodes"] if total["episodes"] else float("nan")
                            for k in ("length", "successes")}

@@ -116,6 +116,13 @@ class Preset:
 TEACHER_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask", "critic")
 
 
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the torchrun ranks, in place (a plain run: x as it is); returns x."""
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
 class RunningNorm(nn.Module):
     """Running mean/std of an observation (saved with the model; frozen at evaluation)."""
 
@@ -129,17 +136,13 @@ class RunningNorm(nn.Module):
     def update(self, x: torch.Tensor):
         x = x.reshape(-1, *self.mean.shape)
         x = x[torch.isfinite(x).flatten(1).all(-1)]
-        sums = torch.stack([torch.full_like(self.mean, len(x)), x.sum(0)])
-        if dist.is_initialized():  # the batch of every rank (two passes): all ranks keep the same statistics
-            dist.all_reduce(sums)
+        # the batch of every rank (two passes): all ranks keep the same statistics
+        sums = all_reduce(torch.stack([torch.full_like(self.mean, len(x)), x.sum(0)]))
         n = int(sums[0].flatten()[0])
         if n == 0:
             return
         batch_mean = sums[1] / n
-        batch_var = (x - batch_mean).pow(2).sum(0)
-        if dist.is_initialized():
-            dist.all_reduce(batch_var)
-        batch_var /= n
+        batch_var = all_reduce((x - batch_mean).pow(2).sum(0)) / n
         delta, total = batch_mean - self.mean, self.count + n
         self.mean += delta * n / total
         self.var = (self.var * self.count + batch_var * n + delta.pow(2) * self.count * n / total) / total
@@ -166,8 +169,7 @@ class TokenPolicy(nn.Module):
 
     def __init__(self, layout: dict, token_obs: tuple[str, ...], args, hcdr: bool):
         super().__init__()
-        d = args.d_model
-        self.token_obs = token_obs
+        d, self.token_obs = args.d_model, token_obs
         self.norms = nn.ModuleDict({k: RunningNorm(layout[k][-1]) for k in (*token_obs, "terrain")})
         self.embed = nn.ModuleDict({k: nn.Linear(layout[k][-1], d) for k in token_obs})
         self.terrain = nn.Sequential(nn.LayerNorm(layout["terrain"][0]),
@@ -213,8 +215,7 @@ class Agent(nn.Module):
         self.critic_norm = RunningNorm(layout["critic"][0])
         self.critic = mlp([layout["critic"][0]] + [args.critic_dim] * 4 + [1])
         self.value_norm = RunningNorm(1) if args.value_norm else None  # statistics of the returns
-        self.log_std = args.log_std
-        self.action_scale = args.action_scale
+        self.log_std, self.action_scale = args.log_std, args.action_scale
 
     @torch.no_grad()
     def update_norms(self, obs):
@@ -247,8 +248,7 @@ class Agent(nn.Module):
 
 def compute_gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.Tensor:
     """Generalized advantage estimation over a [T, N] rollout; dones[t] = the episode ended after step t."""
-    advantages = torch.zeros_like(rewards)
-    last_gae = torch.zeros_like(next_value)
+    advantages, last_gae = torch.zeros_like(rewards), torch.zeros_like(next_value)
     for t in reversed(range(len(rewards))):
         next_v = next_value if t == len(rewards) - 1 else values[t + 1]
         not_done = 1.0 - dones[t]
@@ -355,16 +355,16 @@ def main(args: Args) -> pathlib.Path:
     # engine starts; no silent fallback from CUDA to the CPU
     world, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(args.device or "cuda")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", local_rank)
-    if device.type != "cuda" and args.amp:
-        raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
-                         f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
-    if device.type == "cuda":  # fp32 matmuls use TF32 there; the CPU path stays exact fp32
-        torch.cuda.set_device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
+                             f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # fp32 matmuls use TF32 there; the CPU path stays exact fp32
         torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+    elif args.amp:
+        raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     if world > 1 and not dist.is_initialized():
@@ -457,9 +457,7 @@ def main(args: Args) -> pathlib.Path:
     start_time = time.time()
     try:
         while global_step + per_iteration <= args.total_env_steps:
-            if world > 1:
-                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-            if stop.item():
+            if all_reduce(stop).item():  # a signal on any rank stops every rank
                 break
             iteration += 1
             # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps, over episodes
@@ -471,10 +469,9 @@ def main(args: Args) -> pathlib.Path:
                     buf_obs[k][step] = obs[k]
                 with torch.no_grad(), amp():
                     pi = agent.dist(obs)
-                    a = pi.sample()
+                    actions[step] = a = pi.sample()
                     logprobs[step] = pi.log_prob(a).sum(-1)
                     values[step] = agent.value(obs)
-                actions[step] = a
                 obs, reward, done, info = env.step(agent.to_alpha(obs, a))
                 rewards[step], dones[step], time_outs[step] = reward, done.float(), info["time_out"].float()
                 ep_return += reward
@@ -495,7 +492,6 @@ def main(args: Args) -> pathlib.Path:
             # since the critic cannot tell how much of the clip is left
             with torch.no_grad(), amp():
                 next_value = agent.value(obs)
-            with torch.no_grad():
                 advantages = compute_gae(rewards + args.gamma * values * time_outs, values, dones, next_value,
                                          args.gamma, args.gae_lambda)
                 returns = advantages + values
@@ -523,10 +519,7 @@ def main(args: Args) -> pathlib.Path:
                     # adaptive step size (not on the first minibatch: the policy is still the rollout's, KL 0); the
                     # KL is the mean over the ranks, so every rank steps its lr alike
                     if args.desired_kl > 0 and (epoch > 0 or start > 0):
-                        kl = approx_kl.clone()
-                        if world > 1:
-                            dist.all_reduce(kl)
-                        kl = kl.item() / world
+                        kl = all_reduce(approx_kl.clone()).item() / world
                         for group in actor_opt.param_groups:
                             if kl > 2.0 * args.desired_kl:
                                 group["lr"] = max(group["lr"] / 1.5, 1e-6)
@@ -548,8 +541,7 @@ def main(args: Args) -> pathlib.Path:
                 agent.value_norm.update(returns.reshape(-1, 1))
             # clip re-weighting: the clips that fail get the episodes (the authors: every 500 epochs, the failed clips)
             if args.reweight_every and iteration % args.reweight_every == 0:
-                if world > 1:
-                    dist.all_reduce(clip_stats)
+                all_reduce(clip_stats)
                 env.clip_weights = (clip_stats[1] / clip_stats[0].clamp(min=1)).clamp(min=0.05)
                 clip_stats.zero_()
 
@@ -559,11 +551,8 @@ def main(args: Args) -> pathlib.Path:
                      "explained_variance": 1 - (b_returns - b_values).var() / b_returns.var(),
                      **{k: v / T for k, v in step_sums.items()}, **{k: v.float().mean() for k, v in env.psi.items()}}
             totals = {**episode_sums, "nan_resets": env.nan_resets}
-            mean_t = torch.stack([torch.as_tensor(v, device=device).float() for v in means.values()])
-            total_t = torch.stack([torch.as_tensor(v, device=device).float() for v in totals.values()])
-            if world > 1:
-                dist.all_reduce(mean_t)
-                dist.all_reduce(total_t)
+            mean_t = all_reduce(torch.stack([torch.as_tensor(v, device=device).float() for v in means.values()]))
+            total_t = all_reduce(torch.stack([torch.as_tensor(v, device=device).float() for v in totals.values()]))
             mean, total = dict(zip(means, (mean_t / world).tolist())), dict(zip(totals, total_t.tolist()))
             per_episode = {k: total[k] / total["episodes"] if total["episodes"] else float("nan")
                            for k in ("return", "length", "successes")}

@@ -68,7 +68,6 @@ def bad_files(tmp_path_factory):
     (["student.py", "--preset", "cpu", "--resume", "{d}/teacher.pt", "--teacher-ckpt", "x"], ["found 'teacher'"]),
     (["export.py", "--ckpt", "{d}/list.pt"], ["list.pt: expected a student checkpoint"]),
     (["student.py", "--preset", "cpu", "--teacher-ckpt", "x", "--buffer-iterations", "0"], ["--buffer-iterations"]),
-    (["student.py", "--preset", "cpu", "--teacher-ckpt", "x", "--noise-scale-min", "2"], ["--noise-scale-min"]),
     (["evaluate.py", "--ckpt", "{d}/teacher.pt", "--seeds", "-1"], ["seeds >= 0"]),
     (["evaluate.py", "--ckpt", "{d}/truncated.pt"], ["truncated.pt: not a readable"]),
     (["evaluate.py", "--ckpt", "{d}/list.pt"], ["list.pt: expected a teacher or student checkpoint"]),

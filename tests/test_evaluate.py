@@ -607,7 +607,7 @@ def test_opened_env_is_the_checkpoint_env_cfg_with_the_setting_overrides(monkeyp
     cfg = {"sim": "isaaclab", "motions": "data/packets/g1_moves", "terrain": "mix", "dr": "default", "start": "random"}
     for token, dr in (("zero_shot+dr@rough_slope", envs.DR()), ("in_domain", None),
                       ("genesis+noise", envs.DR.noise_only()),
-                      ("genesis+noise0.3", dataclasses.replace(envs.DR.noise_only(), noise_scale=(0.3, 0.3)))):
+                      ("genesis+noise0.3", dataclasses.replace(envs.DR.noise_only(), noise_scale=0.3))):
         setting = ev.parse_setting(token, "isaaclab")
         with ev.opened_env(cfg, setting, [pathlib.Path("x.npz")], 3, "cpu", 7) as env:
             assert not env.closed

@@ -319,19 +319,6 @@ def test_a_crash_keeps_the_last_finished_iteration(tmp_path):
     assert ckpt["kind"] == "student" and ckpt["iteration"] == 2 and ckpt["global_step"] == 2 * 32
 
 
-def test_noise_scale_min_sets_the_rollout_envs_per_episode_noise_range(tmp_path):
-    """--noise-scale-min: the DAgger rollouts' env draws each episode's sensor-noise factor from U[min, 1]."""
-    from conftest import FakeEnv
-    env = FakeEnv(LAYOUT, 8)
-    env.dr = envs.DR()
-    args = dataclasses.replace(CPU, teacher_ckpt=str(make_teacher_ckpt(tmp_path / "teacher.pt")), num_envs=8,
-                               num_steps=4, minibatch_size=16, total_env_steps=32, torch_threads=1,
-                               noise_scale_min=0.0, run_dir=str(tmp_path / "run"))
-    student.train(args, env=env)
-    assert env.dr.noise_scale == (0.0, 1.0)
-    assert torch.load(tmp_path / "run" / "student.pt", weights_only=False)["args"]["noise_scale_min"] == 0.0
-
-
 def test_action_noise_moves_the_executed_targets(tmp_path):
     """--action-std: the env receives the student's targets plus N(0, std^2) noise on every joint."""
     from conftest import FakeEnv
