@@ -91,9 +91,6 @@ class Args:
     action_std: float = 0.1
     """std (rad) of Gaussian noise on the student's executed PD targets in the rollouts (rsl_rl samples its student
     with std 0.1): the student visits states off its own path and the teacher labels them (0: deterministic)"""
-    action_drift_std: float = 0.0
-    """std (rad) of a slowly drifting offset per env and joint on the executed PD targets (Ornstein-Uhlenbeck, time
-    constant ACTION_DRIFT_TAU_S): deviations like a student's own biases, whose states the teacher labels (DART)"""
     d_model: int | None = None  # transformer width (None, as all sizes below: the teacher's backbone, as in the paper)
     num_layers: int | None = None  # transformer encoder layers
     num_heads: int | None = None  # attention heads
@@ -121,7 +118,6 @@ class Preset:
 
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "ff_dim", "head_dim", "terrain_dim", "hcdr_queries", "hcdr_dim",
                "hcdr_layers")  # None in Args: the teacher checkpoint's value
-ACTION_DRIFT_TAU_S = 0.5  # correlation time of the --action-drift-std offset
 STUDENT_OBS = ("student_proprio", "student_keypoints", "terrain", "history", "history_mask")  # the student's inputs
 # What the teacher's actor reads to label a state (its critic's observation plays no part in distillation).
 TEACHER_ACTOR_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask")
@@ -320,7 +316,6 @@ def train(args: Args, env=None) -> pathlib.Path:
     data_obs = {k: torch.zeros((capacity, *layout[k]), dtype=obs[k].dtype, device=device) for k in STUDENT_OBS}
     data_labels = torch.zeros(capacity, ssjr.NUM_DOF, device=device)
     ep_len = torch.zeros(n, device=device)
-    drift, decay = torch.zeros(n, ssjr.NUM_DOF, device=device), float(np.exp(-envs.CONTROL_DT_S / ACTION_DRIFT_TAU_S))
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
     collected = 0  # rollouts in the data set since this process started (a resumed run refills it)
 
@@ -346,9 +341,6 @@ def train(args: Args, env=None) -> pathlib.Path:
                 data_labels[rows] = alpha_1
                 use_teacher = torch.rand(n, device=device) < beta
                 explored = alpha_2 + args.action_std * torch.randn_like(alpha_2) if args.action_std else alpha_2
-                if args.action_drift_std:  # x <- x e^(-dt/tau) + std sqrt(1 - e^(-2 dt/tau)) N(0, 1): stationary std
-                    drift = decay * drift + args.action_drift_std * (1 - decay ** 2) ** 0.5 * torch.randn_like(drift)
-                    explored = explored + drift
                 obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, explored))
                 ep_len += 1
                 ended = done.float()

@@ -337,25 +337,3 @@ def test_action_noise_moves_the_executed_targets(tmp_path):
         student.train(args, env=env)
     noise = sent[0.1][0] - sent[0.0][0]  # same seed: the same first observation and student, the same clean targets
     assert 0.07 < noise.std() < 0.13 and abs(noise.mean()) < 0.03
-
-
-def test_action_drift_is_a_slow_offset_on_the_executed_targets(tmp_path):
-    """--action-drift-std: an Ornstein-Uhlenbeck offset per env and joint, strongly correlated from step to step, its
-    std growing from 0 towards the set value (the fake env's observations ignore the actions: one policy, one rollout)."""
-    from conftest import FakeEnv
-
-    class Recording(FakeEnv):
-        def step(self, alpha):
-            self.sent.append(alpha.clone())
-            return super().step(alpha)
-    t_path, sent = make_teacher_ckpt(tmp_path / "teacher.pt"), {}
-    for std in (0.0, 0.05):
-        env = Recording(LAYOUT, 128)
-        env.sent = sent[std] = []
-        args = dataclasses.replace(CPU, teacher_ckpt=str(t_path), num_envs=128, num_steps=64, minibatch_size=256,
-                                   total_env_steps=128 * 64, torch_threads=1, action_std=0.0, action_drift_std=std,
-                                   run_dir=str(tmp_path / f"{std}"))
-        student.train(args, env=env)
-    drift = torch.stack(sent[0.05]) - torch.stack(sent[0.0])  # [steps, envs, joints]
-    assert drift[0].std() < 0.02 and 0.04 < drift[-1].std() < 0.06  # 64 steps = 2.6 time constants of 0.5 s
-    assert torch.corrcoef(torch.stack([drift[-2].flatten(), drift[-1].flatten()]))[0, 1] > 0.95
