@@ -149,7 +149,7 @@ class DR:
         return cls(**{k: (v, v) for k, v in NOMINAL_PSI.items()}, com_offset_m=0.0, push_interval_s=(1e9, 1e9))
 
     def sensor_std(self) -> torch.Tensor:
-        """Noise std of each field of s [64] (times noise_scale): dof pos (29), dof vel (29), root ang vel (3), gravity (3)."""
+        """Noise std of each field of s [64], times noise_scale: dof pos (29), dof vel (29), gyro (3), gravity (3)."""
         return self.noise_scale * torch.tensor([self.noise_dof_pos_rad] * NUM_DOF + [self.noise_dof_vel_rad_s] * NUM_DOF
                                                + [self.noise_ang_vel_rad_s] * 3 + [self.noise_gravity] * 3)
 
