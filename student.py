@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import pathlib
 import random
 import signal
@@ -206,32 +205,7 @@ def train(args: Args, env=None) -> pathlib.Path:
                                    total_env_steps=args.total_env_steps, device=args.device or resume["args"]["device"])
     if args.buffer_iterations < 1:
         raise InputError("--buffer-iterations", f"must be at least 1 (the newest rollout): {args.buffer_iterations}")
-    # device and ranks (torchrun: one process per GPU or CPU core), checked before any engine starts
-    world, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(args.device or "cuda")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
-                             f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
-        if device.index is None:
-            device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
-    elif args.amp:
-        raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank = dist.get_rank() if world > 1 else 0
-    print(f"rank {rank} of {world}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
-          f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    rng = None  # a resumed rank goes on with its own random streams if the checkpoint has them (same device type)
-    if resume is not None and torch.device(resume["args"]["device"]).type == device.type and rank < len(resume["rng"]):
-        rng = resume["rng"][rank]
+    device, world, rank, rng = teacher.start_rank(args, resume)
 
     # --- the frozen teacher fixes the env and, unless set, the student's sizes
     if not args.teacher_ckpt:

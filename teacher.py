@@ -325,6 +325,38 @@ def load_policy(path, device="cpu"):
     return agent.eval(), ckpt
 
 
+def start_rank(args, resume: dict | None):
+    """Device, torchrun ranks and seeds of a training run (teacher.py, student.py), checked before any engine starts:
+    one process per GPU or CPU core (nccl on CUDA, gloo on the CPU), no silent fallback from CUDA to the CPU.
+    Returns (device, world size, rank, this rank's random streams from `resume` or None)."""
+    world, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(args.device or "cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
+                             f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # fp32 matmuls use TF32 there; the CPU path stays exact fp32
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+    elif args.amp:
+        raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    print(f"rank {rank} of {world}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
+          f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
+    random.seed(args.seed + rank)  # ranks are seeded apart; they start from rank 0's weights (DDP broadcasts them)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    rng = None  # a resumed rank goes on with its own random streams if the checkpoint has them (same device type)
+    if resume is not None and torch.device(resume["args"]["device"]).type == device.type and rank < len(resume["rng"]):
+        rng = resume["rng"][rank]
+    return device, world, rank, rng
+
+
 def robot_motions(motions: str) -> str | list[str]:
     """--motions for a teacher, whose reward and observations use the robot's bodies and joints: human keypoint
     commands in a folder are skipped (and named); a file or folder of nothing else is an error."""
@@ -351,33 +383,7 @@ def main(args: Args) -> pathlib.Path:
     if args.minibatch_size > args.num_envs * args.num_steps:
         raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
                                              f"x {args.num_steps} steps)")
-    # device and ranks (torchrun: one process per GPU or CPU core, nccl on CUDA, gloo on the CPU), checked before any
-    # engine starts; no silent fallback from CUDA to the CPU
-    world, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(args.device or "cuda")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
-                             f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
-        if device.index is None:
-            device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)  # fp32 matmuls use TF32 there; the CPU path stays exact fp32
-        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
-    elif args.amp:
-        raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank = dist.get_rank() if world > 1 else 0
-    print(f"rank {rank} of {world}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
-          f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
-    random.seed(args.seed + rank)  # ranks are seeded apart; they start from rank 0's weights (DDP broadcasts them)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    rng = None  # a resumed rank goes on with its own random streams if the checkpoint has them (same device type)
-    if resume is not None and torch.device(resume["args"]["device"]).type == device.type and rank < len(resume["rng"]):
-        rng = resume["rng"][rank]
+    device, world, rank, rng = start_rank(args, resume)
 
     env_cfg = dict(sim=args.sim, motions=robot_motions(args.motions), terrain=args.terrain,  # the student's env too
                    dr=None if args.no_dr else "default")
