@@ -149,9 +149,9 @@ class DR:
         return cls(**{k: (v, v) for k, v in NOMINAL_PSI.items()}, com_offset_m=0.0, push_interval_s=(1e9, 1e9))
 
     def sensor_std(self) -> torch.Tensor:
-        """Noise std of each field of s [64], times noise_scale: dof pos (29), dof vel (29), gyro (3), gravity (3)."""
-        return self.noise_scale * torch.tensor([self.noise_dof_pos_rad] * NUM_DOF + [self.noise_dof_vel_rad_s] * NUM_DOF
-                                               + [self.noise_ang_vel_rad_s] * 3 + [self.noise_gravity] * 3)
+        """Noise std of each field of s [64]: dof pos (29), dof vel (29), root ang vel (3), projected gravity (3)."""
+        return torch.tensor([self.noise_dof_pos_rad] * NUM_DOF + [self.noise_dof_vel_rad_s] * NUM_DOF
+                            + [self.noise_ang_vel_rad_s] * 3 + [self.noise_gravity] * 3)
 
 
 PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction",
@@ -787,6 +787,7 @@ class TrackingEnv:
         self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
         self.tile_weights = tile_weights(terrain.tile_types, TERRAIN_MIX).to(dev)
         self.scan_xy, self.spawn_xy = SCAN_XY_M.to(dev), torch.as_tensor(terrain.spawn_xy_m, device=dev)
+        self.sensor_std = dr.sensor_std().to(dev) if dr is not None else None  # times dr.noise_scale where drawn
         self.default_mass = sim.default_body_mass_kg.clone()
         # per-env episode state; the clip's control tick now is tick0 (at the episode start) + step_count
         self.clip, self.tick0, self.step_count = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))
@@ -986,7 +987,7 @@ class TrackingEnv:
 
         s = self.sparse_state(body, q, qd)  # readings s_t (encoders, IMU): one noise draw each, in every stack
         if self.dr is not None:
-            s = s + self.dr.sensor_std().to(self.device) * self._randn(s.shape[-1])
+            s = s + self.sensor_std * self.dr.noise_scale * self._randn(s.shape[-1])
         proprio = torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
                              heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat), heading(lin), heading(ang),
                              s[:, :2 * NUM_DOF], self.last_alpha], -1)
