@@ -36,14 +36,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
-import random
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -241,11 +239,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             share_teacher_hcdr(policy, teacher_agent, args.teacher_ckpt)
         policy.actor.update_norms(obs)
     if rng is not None:  # this rank's learner streams (minibatch order, exploration noise)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], device)
+        teacher.set_learner_streams(rng, device)
     # under torchrun the update runs through DDP: rank 0's weights to every rank now, averaged gradients in backward
     learner = nn.parallel.DistributedDataParallel(policy, forward_sync_buffers=False) if world > 1 else policy
     policy.eval()
@@ -264,13 +258,7 @@ def train(args: Args, env=None) -> pathlib.Path:
         writer = SummaryWriter(run_dir, purge_step=global_step + 1)  # a resumed run hides what came after its step
 
     def rng_states() -> list[dict]:  # every rank's learner and env streams, in rank order
-        states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                  "env": {"gen": env.gen.get_state()},
-                  **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
-        out = [states] * world
-        if world > 1:
-            dist.all_gather_object(out, states)
-        return out
+        return teacher.all_gather({**teacher.learner_streams(device), "env": {"gen": env.gen.get_state()}}, world)
 
     def save(finished: dict):  # a plain dict, written atomically by rank 0
         if rank == 0 and finished["iteration"] > first_iteration:

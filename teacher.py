@@ -357,6 +357,29 @@ def start_rank(args, resume: dict | None):
     return device, world, rank, rng
 
 
+def learner_streams(device) -> dict:
+    """This rank's learner random streams (torch, numpy, python, CUDA), as a checkpoint's "rng" entry holds them."""
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
+
+
+def set_learner_streams(rng: dict, device):
+    """Continue the learner streams of learner_streams' dict (a resumed rank)."""
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def all_gather(obj, world: int) -> list:
+    """Every rank's obj, in rank order (a plain run: [obj])."""
+    out = [obj] * world
+    if world > 1:
+        dist.all_gather_object(out, obj)
+    return out
+
+
 def robot_motions(motions: str) -> str | list[str]:
     """--motions for a teacher, whose reward and observations use the robot's bodies and joints: human keypoint
     commands in a folder are skipped (and named); a file or folder of nothing else is an error."""
@@ -411,11 +434,7 @@ def main(args: Args) -> pathlib.Path:
         global_step, iteration = resume["global_step"], resume["iteration"]
         print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
     if rng is not None:  # this rank's learner streams (sampling, minibatch order)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], device)
+        set_learner_streams(rng, device)
     # under torchrun the update runs through DDP: rank 0's weights to every rank now, averaged gradients in backward
     learner = nn.parallel.DistributedDataParallel(agent, forward_sync_buffers=False) if world > 1 else agent
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
@@ -433,13 +452,8 @@ def main(args: Args) -> pathlib.Path:
         writer = SummaryWriter(run_dir, purge_step=global_step + 1)  # a resumed run hides what came after its step
 
     def rng_states() -> list[dict]:  # every rank's learner and env streams, in rank order
-        states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                  "env": {"gen": env.gen.get_state(), "clip_weights": env.clip_weights},
-                  **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
-        out = [states] * world
-        if world > 1:
-            dist.all_gather_object(out, states)
-        return out
+        env_streams = {"gen": env.gen.get_state(), "clip_weights": env.clip_weights}
+        return all_gather({**learner_streams(device), "env": env_streams}, world)
 
     def save(finished: dict):  # a plain dict, written atomically by rank 0
         if rank == 0 and finished["iteration"] > first_iteration:
