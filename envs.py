@@ -24,8 +24,9 @@ Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading fr
 | key               | shape      | content                                                                         |
 |-------------------|------------|---------------------------------------------------------------------------------|
 | proprio           | [5, P]     | teacher, privileged, steps t-4..t: root height above terrain (1), body pos rel. |
-|                   |            | root w/o pelvis (29x3), body rot6d (30x6), body lin vel (30x3), body ang vel    |
-|                   |            | (30x3), dof pos (29), dof vel (29), last PD target alpha (29)                   |
+|                   |            | root w/o pelvis (29x3), body rot6d (30x6), body lin vel (30x3; root_velocity=   |
+|                   |            | False: minus the root's), body ang vel (30x3), dof pos (29), dof vel (29), last |
+|                   |            | PD target alpha (29)                                                            |
 | future            | [8, F]     | teacher, reference at t+1..t+8 per body: pos rel. robot root (3), pos minus     |
 |                   |            | current body pos (3), rot6d (6), lin vel (3), ang vel (3) = 30x18; dof pos (29) |
 | ref_dof_pos       | [29]       | teacher, reference joint positions at t+1 (centre of the residual action)       |
@@ -35,7 +36,7 @@ Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading fr
 | history_mask      | [K]        | True where the history entry exists (False before the episode start)            |
 | student_proprio   | [8, S+29]  | student, steps t-7..t: sparse state s and last alpha (no privileged terms)      |
 | student_keypoints | [12, J*3]  | student, SSJR keypoints Y at t-7..t+4, relative to the robot root (heading)     |
-| critic            | [1235]     | privileged: proprio_t, future at t+1, terrain, psi (10)                         |
+| critic            | [1235]     | privileged: proprio_t (with the root's velocity), future at t+1, terrain, psi   |
 """
 import concurrent.futures
 import contextlib
@@ -776,9 +777,10 @@ class TrackingEnv:
     PROPRIO_STEPS, FUTURE_STEPS, STUDENT_PAST, STUDENT_FUTURE = 5, 8, 8, 4
 
     def __init__(self, sim, motion_lib: MotionLib, terrain: Terrain, dr: DR | None, seed: int, start: str = "random",
-                 termination: str = "max"):
+                 termination: str = "max", root_velocity: bool = True):
         self.sim, self.motions, self.terrain, self.dr, self.start = sim, motion_lib, terrain, dr, start  # START_MODES
         self.termination = termination  # TERMINATIONS
+        self.root_velocity = root_velocity  # the actor's proprio holds the root's linear velocity (else: relative)
         # training levers of the authors' released recipe (teacher.py sets them; off: uniform clips and start ticks,
         # the failure test from the first step): a share of frame-0 starts, clip sampling weights, grace steps
         self.frame0_share, self.clip_weights, self.grace_steps = 0.0, None, 0
@@ -988,9 +990,14 @@ class TrackingEnv:
         s = self.sparse_state(body, q, qd)  # readings s_t (encoders, IMU): one noise draw each, in every stack
         if self.dr is not None:
             s = s + self.sensor_std * self.dr.noise_scale * self._randn(s.shape[-1])
-        proprio = torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
-                             heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat), heading(lin), heading(ang),
-                             s[:, :2 * NUM_DOF], self.last_alpha], -1)
+        def proprio_of(lin_vel):  # the privileged body state; the critic always reads the world's velocities
+            return torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
+                              heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat), heading(lin_vel),
+                              heading(ang), s[:, :2 * NUM_DOF], self.last_alpha], -1)
+        critic_proprio = proprio_of(lin)
+        # without the root's linear velocity (no sensor reads it) the bodies' velocities are relative to the root's,
+        # which encoders and an IMU give
+        proprio = critic_proprio if self.root_velocity else proprio_of(lin - lin[:, :1])
         for name, new in (("proprio_buf", proprio), ("sparse_buf", torch.cat([s, self.last_alpha], -1))):
             stack = shift_in(getattr(self, name), new) if advance else getattr(self, name)
             setattr(self, name, torch.where(self._fresh[:, None, None], new[:, None], stack))
@@ -1013,7 +1020,7 @@ class TrackingEnv:
         obs = {"proprio": self.proprio_buf.clone(), "future": future, "ref_dof_pos": fut["dof_pos"][:, 0],
                "terrain": terrain, "history": self.history.clone(), "history_mask": self.history_mask.clone(),
                "student_proprio": self.sparse_buf.clone(), "student_keypoints": keypoints,
-               "critic": torch.cat([proprio, future[:, 0], terrain, psi], -1)}
+               "critic": torch.cat([critic_proprio, future[:, 0], terrain, psi], -1)}
         self.obs_layout = self.obs_layout or {k: list(v.shape[1:]) for k, v in obs.items()}
         return obs
 
@@ -1048,11 +1055,12 @@ def tile_weights(tile_types, mix: dict[str, float]) -> torch.Tensor:
 def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
              dr: DR | str | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
              exclude_test: bool = True, performance_mode: bool = False,
-             terrain_seed: int | None = None, termination: str = "max") -> TrackingEnv:
+             terrain_seed: int | None = None, termination: str = "max", root_velocity: bool = True) -> TrackingEnv:
     """Build the tracking env on `sim` (SIMS). `motions`: packet folder/file/list; the held-out
     test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation).
     performance_mode (Genesis): kernels compiled for this exact num_envs (faster CPU physics, a longer compile at every
     start; one mode per process). terrain_seed: the heightfield's seed (default: seed). termination: TERMINATIONS.
+    root_velocity: the teacher's proprio holds the root's linear velocity (False: the bodies' relative to it).
     dr: a DR, "default" (DR(): what a checkpoint's env_cfg records) or None (nominal dynamics)."""
     dr = DR() if dr == "default" else dr
     if num_envs < 1:
@@ -1070,7 +1078,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
     ground = make_terrain(terrain, seed if terrain_seed is None else terrain_seed)
     engine = (GenesisSim(num_envs, device, ground, performance_mode=performance_mode) if sim == "genesis"
               else IsaacLabSim(num_envs, device, ground) if sim == "isaaclab" else MuJoCoSim(num_envs, device, ground))
-    return TrackingEnv(engine, motion_lib, ground, dr, seed, start, termination)
+    return TrackingEnv(engine, motion_lib, ground, dr, seed, start, termination, root_velocity)
 
 
 # --- Benchmark: our env vs the raw engine stepping the same scene (same adapter, same N, same run).

@@ -68,6 +68,10 @@ class Args:
     terrain: str = "mix"  # flat | smooth_slope | rough_slope | mix (paper: 0.5 flat, 0.25 each slope)
     no_dr: bool = False  # the 'w/o DR' ablation: nominal dynamics every episode
     no_hcdr: bool = False  # the 'w/o HCDR' ablation: no history token
+    root_velocity: bool = True
+    """the actor reads the root's linear velocity (privileged, as in the paper); --no-root-velocity (the cpu preset):
+    the bodies' velocities relative to the root's, which encoders and an IMU give, so that a student can follow its
+    actions (the critic keeps it; docs/experiments.md)"""
     actor_lr: float = 2e-5  # actor learning rate
     critic_lr: float = 1e-4  # critic learning rate
     gamma: float = 0.99  # discount
@@ -98,7 +102,7 @@ class Args:
 
 PRESETS = {
     "paper": Args(),
-    "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=64,
+    "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=64, root_velocity=False,
                 performance_mode=True, total_env_steps=200_000, num_steps=24, minibatch_size=384, update_epochs=1,
                 actor_lr=1e-4, desired_kl=0.01, critic_lr=3e-4, log_std=-2.0,
                 d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256, terrain_dim=64, critic_dim=256,
@@ -409,7 +413,7 @@ def main(args: Args) -> pathlib.Path:
     device, world, rank, rng = start_rank(args, resume)
 
     env_cfg = dict(sim=args.sim, motions=robot_motions(args.motions), terrain=args.terrain,  # the student's env too
-                   dr=None if args.no_dr else "default")
+                   dr=None if args.no_dr else "default", root_velocity=args.root_velocity)
     env = envs.make_env(**env_cfg, num_envs=args.num_envs, device=str(device), seed=args.seed + rank,
                         terrain_seed=args.seed, performance_mode=args.performance_mode)  # one terrain for all ranks
     env.frame0_share, env.grace_steps = args.frame0_share, args.grace_steps

@@ -162,6 +162,7 @@ def test_tracking_reward_improves_in_a_short_real_run(train_packet, tmp_path):
            str(38 * 128 * 24), "--run-dir", str(tmp_path), "--checkpoint-every", "100")
     log = read_log(tmp_path)
     assert log["iteration"][-1] == 38 and small_args().num_envs == 64
+    assert torch.load(tmp_path / "teacher.pt", weights_only=False)["env_cfg"]["root_velocity"] is False  # cpu recipe
     mean = lambda xs: sum(xs) / len(xs)
     reward, ret = log["charts/mean_reward"], log["charts/episode_return"]
     print(f"\nreward {mean(reward[2:10]):.3f} -> {mean(reward[30:38]):.3f}, return {mean(ret[2:10]):.1f} -> "
