@@ -990,14 +990,13 @@ class TrackingEnv:
         s = self.sparse_state(body, q, qd)  # readings s_t (encoders, IMU): one noise draw each, in every stack
         if self.dr is not None:
             s = s + self.sensor_std * self.dr.noise_scale * self._randn(s.shape[-1])
-        def proprio_of(lin_vel):  # the privileged body state; the critic always reads the world's velocities
-            return torch.cat([(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
-                              heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat), heading(lin_vel),
-                              heading(ang), s[:, :2 * NUM_DOF], self.last_alpha], -1)
-        critic_proprio = proprio_of(lin)
-        # without the root's linear velocity (no sensor reads it) the bodies' velocities are relative to the root's,
+        before = [(root_pos[:, 2] - self.terrain.height_at(root_pos[:, :2]))[:, None],
+                  heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat)]  # the body state around its velocities
+        after = [heading(ang), s[:, :2 * NUM_DOF], self.last_alpha]
+        critic_proprio = torch.cat([*before, heading(lin), *after], -1)  # the critic reads the world's velocities
+        # without the root's linear velocity (no sensor reads it) the actor reads the bodies' relative to the root's,
         # which encoders and an IMU give
-        proprio = critic_proprio if self.root_velocity else proprio_of(lin - lin[:, :1])
+        proprio = critic_proprio if self.root_velocity else torch.cat([*before, heading(lin - lin[:, :1]), *after], -1)
         for name, new in (("proprio_buf", proprio), ("sparse_buf", torch.cat([s, self.last_alpha], -1))):
             stack = shift_in(getattr(self, name), new) if advance else getattr(self, name)
             setattr(self, name, torch.where(self._fresh[:, None, None], new[:, None], stack))

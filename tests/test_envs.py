@@ -404,18 +404,15 @@ def test_resetting_some_envs_leaves_the_others_observations_alone(env):
     assert torch.equal(obs["proprio"][0, 0], obs["proprio"][0, -1])  # a fresh stack repeats its first frame
 
 
-def test_without_the_root_velocity_the_actor_reads_the_bodies_velocities_relative_to_the_root(env):
+def test_without_the_root_velocity_the_actor_reads_the_bodies_velocities_relative_to_the_root(env, monkeypatch):
     """root_velocity=False (teacher.py --no-root-velocity): the actor's proprio holds every body's linear velocity
     minus the root's (zero for the root itself); the critic still reads them as they are, like the default actor."""
     B = envs.NUM_BODIES
     lin = slice(1 + (B - 1) * 3 + B * 6, 1 + (B - 1) * 3 + B * 9)  # after root height, body positions and rot6d
     obs = env.reset()
     for root_velocity in (True, False):
-        env.root_velocity = root_velocity
-        try:
-            obs, *_ = env.step(obs["ref_dof_pos"])
-        finally:
-            env.root_velocity = True
+        monkeypatch.setattr(env, "root_velocity", root_velocity)  # the module's env gets its default back after
+        obs, *_ = env.step(obs["ref_dof_pos"])
         actor, critic = obs["proprio"][:, -1, lin].view(-1, B, 3), obs["critic"][:, lin].view(-1, B, 3)
         assert critic[:, 0].norm(dim=-1).min() > 1e-3  # the root moves
         expected = critic if root_velocity else critic - critic[:, :1]
