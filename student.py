@@ -72,7 +72,7 @@ class Args:
     update_epochs: int = 6  # passes per iteration, each over one rollout's worth of samples drawn from the data set
     max_grad_norm: float = 1.0  # gradient clipping
     checkpoint_every: int = 50  # iterations between checkpoints
-    resume: str = ""  # checkpoint of this script to continue from (only --total-env-steps and the device may change)
+    resume: str = ""  # checkpoint of this script to continue to its budget (only that and the device may change)
     run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
     buffer_iterations: int = 1
     """DAgger's data set: the (student inputs, teacher label) samples of the last this many rollouts (not checkpointed:
@@ -198,9 +198,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     if resume is not None and "rng" not in resume:
         raise InputError(args.resume, "weights only (a shipped model): it can be evaluated or exported, not resumed")
     if resume is not None:
-        args = dataclasses.replace(teacher.checkpoint_args(args.resume, resume, Args), resume=args.resume,
-                                   amp=args.amp, run_dir=str(pathlib.Path(args.resume).parent),
-                                   total_env_steps=args.total_env_steps, device=args.device or resume["args"]["device"])
+        args = teacher.resumed_args(args, resume, PRESETS)
     if args.buffer_iterations < 1:
         raise InputError("--buffer-iterations", f"must be at least 1 (the newest rollout): {args.buffer_iterations}")
     device, world, rank, rng = teacher.start_rank(args, resume)

@@ -61,7 +61,7 @@ class Args:
     update_epochs: int = 1  # passes over each rollout (the paper's 'mini-epochs')
     max_grad_norm: float = 50.0  # gradient clipping
     checkpoint_every: int = 50  # iterations between checkpoints
-    resume: str = ""  # checkpoint of this script to continue from (only --total-env-steps and the device may change)
+    resume: str = ""  # checkpoint of this script to continue to its budget (only that and the device may change)
     run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
     sim: str = "isaaclab"  # simulator: isaaclab (the paper's training engine), genesis or mujoco (CPU)
     motions: str = "data/packets/g1_moves"  # SSJR packet folder or file (the held-out test clips are excluded)
@@ -306,6 +306,18 @@ def checkpoint_args(path, ckpt: dict, cls):
     return cls(**ckpt["args"])
 
 
+def resumed_args(args, ckpt: dict, presets: dict):
+    """A resumed run's settings: its checkpoint's, in its folder, on this call's device and AMP, to its own budget
+    unless --total-env-steps names another (a value other than the preset's default: a bare --resume finishes the
+    run it continues, it does not stop at the cpu preset's 200k steps or go on to the paper's 1e9)."""
+    saved = checkpoint_args(args.resume, ckpt, type(args))
+    budget = args.total_env_steps
+    if budget == presets[args.preset].total_env_steps:
+        budget = saved.total_env_steps
+    return dataclasses.replace(saved, resume=args.resume, amp=args.amp, total_env_steps=budget,
+                               run_dir=str(pathlib.Path(args.resume).parent), device=args.device or saved.device)
+
+
 def load_weights(path, module: nn.Module, state: dict):
     try:  # a checkpoint of another architecture (sizes, keys, optimizer groups) is one line naming the file
         module.load_state_dict(state)
@@ -404,9 +416,7 @@ def main(args: Args) -> pathlib.Path:
         if "rng" not in resume:
             raise InputError(args.resume, "weights only (a shipped model): it can be evaluated, exported or "
                                           "distilled from, not resumed")
-        args = dataclasses.replace(checkpoint_args(args.resume, resume, Args), resume=args.resume, amp=args.amp,
-                                   run_dir=str(pathlib.Path(args.resume).parent), total_env_steps=args.total_env_steps,
-                                   device=args.device or resume["args"]["device"])
+        args = resumed_args(args, resume, PRESETS)
     if args.minibatch_size > args.num_envs * args.num_steps:
         raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
                                              f"x {args.num_steps} steps)")
