@@ -1070,9 +1070,11 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
         raise InputError("--start", f"unknown start '{start}': choose one of {START_MODES}")
     paths = resolve_motions(motions)
     if exclude_test and len(paths) > 1:
-        paths, _ = ssjr.train_test_split(paths)
+        paths, test = ssjr.train_test_split(paths)
         if not paths:
             raise InputError(motions, "only held-out test clips (ssjr.TEST_CLIPS): nothing to train on")
+        if test:  # said aloud: a folder that mixes the splits is trained on fewer clips than it holds
+            print(f"held out (ssjr.TEST_CLIPS), not trained on: {', '.join(pathlib.Path(p).name for p in test)}")
     motion_lib = MotionLib(paths, device)  # before the engine: a bad motion file leaves no simulator behind
     ground = make_terrain(terrain, seed if terrain_seed is None else terrain_seed)
     engine = (GenesisSim(num_envs, device, ground, performance_mode=performance_mode) if sim == "genesis"

@@ -363,9 +363,12 @@ def test_terrain_mix_is_per_terrain_type_not_per_tile():
         assert (w[torch.as_tensor(types == t)].sum() / w.sum()).item() == pytest.approx(share)
 
 
-def test_bad_env_arguments_are_clear_errors(train_packet):
+def test_bad_env_arguments_are_clear_errors(train_packet, packets, capsys):
     with pytest.raises(ssjr.InputError, match="unknown start 'adaptive'"):  # before any engine is built
         envs.make_env("isaaclab", N, "cpu", train_packet, start="adaptive")
+    with pytest.raises(ssjr.InputError, match="unknown terrain"):  # after the split, before the engine
+        envs.make_env("genesis", N, "cpu", packets, terrain="moon")
+    assert "not trained on: B_HandsUp_seg00.npz" in capsys.readouterr().out  # a held-out clip is never dropped silently
     with pytest.raises(ssjr.InputError, match="at least 1"):
         envs.make_env("genesis", 0, "cpu", train_packet)
 
