@@ -1074,7 +1074,7 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
         if not paths:
             raise InputError(motions, "only held-out test clips (ssjr.TEST_CLIPS): nothing to train on")
         if test:  # said aloud: a folder that mixes the splits is trained on fewer clips than it holds
-            print(f"held out (ssjr.TEST_CLIPS), not trained on: {', '.join(pathlib.Path(p).name for p in test)}")
+            print(f"held out (ssjr.TEST_CLIPS), not trained on: {', '.join(p.name for p in test)}")
     motion_lib = MotionLib(paths, device)  # before the engine: a bad motion file leaves no simulator behind
     ground = make_terrain(terrain, seed if terrain_seed is None else terrain_seed)
     engine = (GenesisSim(num_envs, device, ground, performance_mode=performance_mode) if sim == "genesis"
