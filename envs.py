@@ -62,8 +62,6 @@ PHYSICS_DT_S = 0.005  # 200 Hz physics
 NUM_DOF, NUM_BODIES = ssjr.NUM_DOF, len(ssjr.BODY_NAMES)
 SPARSE_STATE_DIM = 2 * NUM_DOF + 3 + 3  # s: dof pos, dof vel, gyro, gravity direction (the table above)
 PROPRIO_DIM = 1 + (NUM_BODIES - 1) * 3 + NUM_BODIES * (6 + 3 + 3) + 2 * NUM_DOF + NUM_DOF  # P in the table above
-ROOT_LIN_VEL = slice(1 + (NUM_BODIES - 1) * 3 + NUM_BODIES * 6, 1 + (NUM_BODIES - 1) * 3 + NUM_BODIES * 6 + 3)
-"""where the root's linear velocity (m/s, heading frame) sits in proprio (root_velocity=True) and in critic"""
 DECIMATION = 4  # 50 Hz policy
 CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
 # episode starts: uniform (training) | frame 0 (evaluation): env i plays clips i, i+N, ..., and every episode draws its

@@ -30,8 +30,6 @@ Choices where the paper is silent:
   docs/experiments.md); --hcdr teacher keeps it frozen, scratch: its own (ablation), none: no HCDR.
 - Observation noise: the env's, part of its DR (envs.DR); the student and its teacher read the same noisy readings,
   the teacher also its clean privileged ones.
-- --velocity-aux (off; not in the paper): a linear head on m_t regresses the root's linear velocity, the one reading
-  of a --root-velocity teacher that no sensor gives; the DAgger loss gains its weighted MSE (docs/experiments.md).
 """
 from __future__ import annotations
 
@@ -90,9 +88,6 @@ class Args:
     action_std: float = 0.1
     """std (rad) of Gaussian noise on the student's executed PD targets in the rollouts (rsl_rl samples its student
     with std 0.1): the student visits states off its own path and the teacher labels them (0: deterministic)"""
-    velocity_aux: float = 0.0
-    """weight of an auxiliary loss (not in the paper): a linear head on m_t regresses the root's linear velocity (m/s,
-    heading frame), the teacher's privileged reading no sensor gives; loss += this x its MSE (0: DAgger's loss only)"""
     d_model: int | None = None  # transformer width (None, as all sizes below: the teacher's backbone, as in the paper)
     num_layers: int | None = None  # transformer encoder layers
     num_heads: int | None = None  # attention heads
@@ -133,17 +128,12 @@ class StudentPolicy(nn.Module):
         self.actor = teacher.TokenPolicy(layout, ("student_proprio", "student_keypoints"), args,
                                          hcdr=args.hcdr != "none")
         self.register_buffer("alpha_0", torch.zeros(ssjr.NUM_DOF))  # nominal pose (see the module docstring)
-        self.velocity_head = nn.Linear(args.d_model, 3) if args.velocity_aux else None  # m_t -> root velocity
         if args.hcdr == "teacher":  # the teacher's HCDR (share_teacher_hcdr), frozen with its history normalizer
             self.actor.hcdr.requires_grad_(False)
             self.actor.history_frozen = True
 
-    def forward(self, obs: dict, with_velocity: bool = False):
-        """alpha_2; with_velocity: (alpha_2, the root velocity read from m_t [N, 3]) for the auxiliary loss."""
-        if not with_velocity:
-            return self.alpha_0 + self.actor(obs)
-        a, m_t = self.actor(obs, return_m_t=True)
-        return self.alpha_0 + a, self.velocity_head(m_t)
+    def forward(self, obs: dict) -> torch.Tensor:
+        return self.alpha_0 + self.actor(obs)
 
     @torch.no_grad()
     def act(self, obs: dict) -> torch.Tensor:
@@ -165,10 +155,9 @@ def share_teacher_hcdr(policy: StudentPolicy, teacher_agent, path):
 
 
 def dagger_update(policy: nn.Module, optimizer, b_obs: dict, b_labels: torch.Tensor, per_epoch: int,
-                  args: Args, amp=contextlib.nullcontext, world: int = 1, b_velocity: torch.Tensor | None = None):
+                  args: Args, amp=contextlib.nullcontext, world: int = 1) -> list[float]:
     """update_epochs passes of minibatch MSE(alpha_2, alpha_1), each over `per_epoch` samples drawn without replacement
-    from the data set (b_obs, b_labels); b_velocity: the root velocities of the samples, for --velocity-aux. Returns
-    the mean action MSE of each pass and the velocity MSE of each (0 without; read from the device once, at the end).
+    from the data set (b_obs, b_labels); returns the mean loss of each pass (read from the device once, at the end).
     `policy`: the StudentPolicy, or under torchrun its DDP wrapper (which averages the gradients over the ranks)."""
     policy.train()
     epoch_losses = []
@@ -178,23 +167,15 @@ def dagger_update(policy: nn.Module, optimizer, b_obs: dict, b_labels: torch.Ten
         for start in range(0, per_epoch, args.minibatch_size):
             mb = perm[start:start + args.minibatch_size]
             with amp():
-                mb_obs = {k: v[mb] for k, v in b_obs.items()}
-                if b_velocity is None:
-                    alpha_2, velocity_mse = policy(mb_obs), torch.zeros((), device=b_labels.device)
-                else:
-                    alpha_2, v_hat = policy(mb_obs, with_velocity=True)
-                    velocity_mse = (v_hat.float() - b_velocity[mb]).pow(2).mean()
-                action_mse = (alpha_2 - b_labels[mb]).pow(2).mean()
-                loss = action_mse + args.velocity_aux * velocity_mse
+                loss = (policy({k: v[mb] for k, v in b_obs.items()}) - b_labels[mb]).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             optimizer.step()
-            losses.append(torch.stack([action_mse, velocity_mse]).detach())
-        epoch_losses.append(torch.stack(losses).mean(0))
+            losses.append(loss.detach())
+        epoch_losses.append(torch.stack(losses).mean())
     policy.eval()
-    action, velocity = (teacher.all_reduce(torch.stack(epoch_losses)) / world).T.tolist()  # the mean over the ranks
-    return action, velocity
+    return (teacher.all_reduce(torch.stack(epoch_losses)) / world).tolist()  # the mean over the ranks
 
 
 def student_env_cfg(args: Args, teacher_ckpt: dict) -> dict:
@@ -218,8 +199,6 @@ def train(args: Args, env=None) -> pathlib.Path:
         raise InputError(args.resume, "weights only (a shipped model): it can be evaluated or exported, not resumed")
     if resume is not None:
         args = teacher.resumed_args(args, resume, PRESETS)
-    if args.velocity_aux and args.hcdr == "none":
-        raise InputError("--velocity-aux", "the velocity is read from m_t: not with --hcdr none")
     if args.buffer_iterations < 1:
         raise InputError("--buffer-iterations", f"must be at least 1 (the newest rollout): {args.buffer_iterations}")
     device, world, rank, rng = teacher.start_rank(args, resume)
@@ -296,7 +275,6 @@ def train(args: Args, env=None) -> pathlib.Path:
     capacity = args.buffer_iterations * T * n
     data_obs = {k: torch.zeros((capacity, *layout[k]), dtype=obs[k].dtype, device=device) for k in STUDENT_OBS}
     data_labels = torch.zeros(capacity, ssjr.NUM_DOF, device=device)
-    data_velocity = torch.zeros(capacity, 3, device=device) if args.velocity_aux else None  # the root's, privileged
     ep_len = torch.zeros(n, device=device)
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
     collected = 0  # rollouts in the data set since this process started (a resumed run refills it)
@@ -321,8 +299,6 @@ def train(args: Args, env=None) -> pathlib.Path:
                 for k in STUDENT_OBS:
                     data_obs[k][rows] = obs[k]
                 data_labels[rows] = alpha_1
-                if data_velocity is not None:
-                    data_velocity[rows] = obs["critic"][:, envs.ROOT_LIN_VEL]
                 use_teacher = torch.rand(n, device=device) < beta
                 explored = alpha_2 + args.action_std * torch.randn_like(alpha_2) if args.action_std else alpha_2
                 obs, _, done, info = env.step(torch.where(use_teacher[:, None], alpha_1, explored))
@@ -340,9 +316,8 @@ def train(args: Args, env=None) -> pathlib.Path:
 
             # ALGO LOGIC: regress alpha_2 onto alpha_1 over the data set (the last buffer_iterations rollouts at most)
             filled = min(collected, args.buffer_iterations) * T * n
-            epoch_losses, velocity_losses = dagger_update(
-                learner, optimizer, {k: v[:filled] for k, v in data_obs.items()}, data_labels[:filled], T * n, args,
-                amp, world, None if data_velocity is None else data_velocity[:filled])
+            epoch_losses = dagger_update(learner, optimizer, {k: v[:filled] for k, v in data_obs.items()},
+                                         data_labels[:filled], T * n, args, amp, world)
             # observation statistics: after the update (it regressed with the rollout's normalization), from every 4th
             # step of the rollout, as the teacher does (under torchrun every update is an all-reduce)
             rollout = {k: v[oldest:oldest + T * n].view(T, n, *v.shape[1:])[::4] for k, v in data_obs.items()}
@@ -362,7 +337,7 @@ def train(args: Args, env=None) -> pathlib.Path:
                        "charts/beta": beta, "charts/teacher_action_fraction": mean["teacher_fraction"],
                        "charts/nan_resets": total["nan_resets"], "charts/SPS": sps, "iteration": iteration,
                        "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1],
-                       "losses/velocity_mse": velocity_losses[-1], "losses/lr": optimizer.param_groups[0]["lr"]}
+                       "losses/lr": optimizer.param_groups[0]["lr"]}
             finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}
             if writer is not None:
                 for k, v in scalars.items():

@@ -199,18 +199,15 @@ class TokenPolicy(nn.Module):
         if not self.history_frozen:
             self.history_norm.update(obs["history"][obs["history_mask"]])
 
-    def forward(self, obs, return_m_t: bool = False):
-        """Action means [N, 29]; return_m_t: (means, m_t) (a student's velocity estimate reads m_t)."""
+    def forward(self, obs) -> torch.Tensor:
         tokens = [self.embed[k](self.norms[k](obs[k])) for k in self.token_obs]
         tokens[0] = tokens[0].flip(1)  # s_t, s_t-1, ...: token 0 is the current state
         tokens.append(self.terrain(self.norms["terrain"](obs["terrain"]))[:, None])
-        m_t = None
         if self.hcdr is not None:
             m_t = self.hcdr(self.history_norm(obs["history"]), obs["history_mask"])
             tokens.append(m_t[:, None])
         x = torch.cat(tokens, 1) + self.pos
-        means = self.head(self.encoder(x)[:, 0]).float()  # fp32 actions also under bf16 autocast
-        return (means, m_t) if return_m_t else means
+        return self.head(self.encoder(x)[:, 0]).float()  # fp32 actions also under bf16 autocast
 
 
 class Agent(nn.Module):
