@@ -18,6 +18,7 @@ import dataclasses
 import os
 import pathlib
 import random
+import shutil
 import signal
 import sys
 import time
@@ -61,6 +62,9 @@ class Args:
     update_epochs: int = 1  # passes over each rollout (the paper's 'mini-epochs')
     max_grad_norm: float = 50.0  # gradient clipping
     checkpoint_every: int = 50  # iterations between checkpoints
+    keep_every: int = 0
+    """iterations between kept copies teacher_it<N>.pt (0: none): checkpoints a few hundred k steps apart can differ
+    by tens of points from frame 0 under DR, so pick one by evaluation on held seeds (docs/experiments.md)"""
     resume: str = ""  # checkpoint of this script to continue to its budget (only that and the device may change)
     run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
     sim: str = "isaaclab"  # simulator: isaaclab (the paper's training engine), genesis or mujoco (CPU)
@@ -308,13 +312,13 @@ def checkpoint_args(path, ckpt: dict, cls):
 
 def resumed_args(args, ckpt: dict, presets: dict):
     """A resumed run's settings: its checkpoint's, in its folder, on this call's device and AMP, to its own budget
-    unless --total-env-steps names another (a value other than the preset's default: a bare --resume finishes the
-    run it continues, it does not stop at the cpu preset's 200k steps or go on to the paper's 1e9)."""
+    and with its own kept copies unless --total-env-steps or --keep-every name others (values other than the preset's
+    defaults: a bare --resume finishes the run it continues, it does not stop at the cpu preset's 200k steps or go on
+    to the paper's 1e9)."""
     saved = checkpoint_args(args.resume, ckpt, type(args))
-    budget = args.total_env_steps
-    if budget == presets[args.preset].total_env_steps:
-        budget = saved.total_env_steps
-    return dataclasses.replace(saved, resume=args.resume, amp=args.amp, total_env_steps=budget,
+    named = {k: getattr(args, k) for k in ("total_env_steps", "keep_every") if k in vars(saved)
+             and getattr(args, k) != getattr(presets[args.preset], k)}
+    return dataclasses.replace(saved, resume=args.resume, amp=args.amp, **named,
                                run_dir=str(pathlib.Path(args.resume).parent), device=args.device or saved.device)
 
 
@@ -475,6 +479,9 @@ def main(args: Args) -> pathlib.Path:
                     "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
                     "critic_opt": critic_opt.state_dict(), **finished, "world_size": world}
             ssjr.write_atomic(run_dir / "teacher.pt", lambda tmp: torch.save(ckpt, tmp))
+            if args.keep_every and finished["iteration"] % args.keep_every == 0:
+                ssjr.write_atomic(run_dir / f"teacher_it{finished['iteration']}.pt",
+                                  lambda tmp: shutil.copyfile(run_dir / "teacher.pt", tmp))
 
     first_iteration, start_step = iteration, global_step
     finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}  # the last whole iteration
@@ -612,7 +619,7 @@ def main(args: Args) -> pathlib.Path:
                       f"{1000 * mean['gt_err_m']:.0f} mm | kl {mean['approx_kl']:.4f} | nan resets "
                       f"{total['nan_resets']:.0f} | ETA "
                       f"{(args.total_env_steps - global_step) / sps / 60:.1f} min", flush=True)
-            if iteration % args.checkpoint_every == 0:
+            if iteration % args.checkpoint_every == 0 or (args.keep_every and iteration % args.keep_every == 0):
                 save(finished)
     except BaseException:  # a crash still leaves the last whole iteration on disk (unless the weights went bad)
         if all(p.isfinite().all() for p in agent.parameters()):

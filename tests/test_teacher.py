@@ -174,11 +174,11 @@ def test_tracking_reward_improves_in_a_short_real_run(train_packet, tmp_path):
 def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeypatch):
     """An exception in the loop (here the env's, in iteration 4) still writes the checkpoint (no --checkpoint-every
     reached): it holds iteration 3, and a bare --resume continues from there to the run's own budget (not to the
-    preset's default)."""
+    preset's default), keeping its copies every --keep-every iterations."""
     from conftest import FakeEnv
     per_it = 8 * 4
     args = small_args(num_envs=8, num_steps=4, minibatch_size=16, total_env_steps=10 * per_it, checkpoint_every=100,
-                      run_dir=str(tmp_path), torch_threads=1)
+                      keep_every=2, run_dir=str(tmp_path), torch_threads=1)
     monkeypatch.setattr(teacher, "robot_motions", lambda motions: motions)  # no motion files: a FakeEnv plays
     monkeypatch.setattr(envs, "make_env", lambda **k: FakeEnv(LAYOUT, 8, crash_at=3 * 4 + 2))
     with pytest.raises(RuntimeError, match="the engine died"):
@@ -188,6 +188,8 @@ def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeyp
     monkeypatch.setattr(envs, "make_env", lambda **k: FakeEnv(LAYOUT, 8))
     teacher.main(small_args(resume=str(tmp_path / "teacher.pt")))  # the preset's 200k steps are not named
     assert torch.load(tmp_path / "teacher.pt", weights_only=False)["iteration"] == 10
+    kept = {p.name: torch.load(p, weights_only=False)["iteration"] for p in tmp_path.glob("teacher_it*.pt")}
+    assert kept == {f"teacher_it{i}.pt": i for i in (2, 4, 6, 8, 10)}  # --keep-every 2, kept by the bare --resume
     assert read_log(tmp_path)["iteration"] == list(range(1, 11))
 
 
