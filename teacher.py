@@ -65,6 +65,9 @@ class Args:
     keep_every: int = 0
     """iterations between kept copies teacher_it<N>.pt (0: none): checkpoints a few hundred k steps apart can differ
     by tens of points from frame 0 under DR, so pick one by evaluation on held seeds (docs/experiments.md)"""
+    ema_decay: float = 0.0
+    """> 0: the checkpoint also holds an exponential moving average of the weights (and normalizers) over the
+    iterations, 'model_ema' (0.998: ~500 iterations), an averaged model to evaluate beside the last (0: none)"""
     resume: str = ""  # checkpoint of this script to continue to its budget (only that and the device may change)
     run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
     sim: str = "isaaclab"  # simulator: isaaclab (the paper's training engine), genesis or mujoco (CPU)
@@ -451,6 +454,9 @@ def main(args: Args) -> pathlib.Path:
             load_weights(args.resume, module, resume[key])
         global_step, iteration = resume["global_step"], resume["iteration"]
         print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
+    # the averaged model (--ema-decay): each iteration, every float tensor of the state moves 1 - ema_decay of the
+    # way to the current one
+    ema = {k: v.detach().to(device, copy=True) for k, v in (resume or {}).get("model_ema", agent.state_dict()).items()}
     if rng is not None:  # this rank's learner streams (sampling, minibatch order)
         set_learner_streams(rng, device)
     # under torchrun the update runs through DDP: rank 0's weights to every rank now, averaged gradients in backward
@@ -477,7 +483,8 @@ def main(args: Args) -> pathlib.Path:
         if rank == 0 and finished["iteration"] > first_iteration:
             ckpt = {"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
                     "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
-                    "critic_opt": critic_opt.state_dict(), **finished, "world_size": world}
+                    "critic_opt": critic_opt.state_dict(), **finished, "world_size": world,
+                    **({"model_ema": ema} if args.ema_decay else {})}
             ssjr.write_atomic(run_dir / "teacher.pt", lambda tmp: torch.save(ckpt, tmp))
             if args.keep_every and finished["iteration"] % args.keep_every == 0:
                 ssjr.write_atomic(run_dir / f"teacher_it{finished['iteration']}.pt",
@@ -580,6 +587,9 @@ def main(args: Args) -> pathlib.Path:
             agent.update_norms({k: v[::4] for k, v in buf_obs.items()})
             if agent.value_norm is not None:
                 agent.value_norm.update(returns.reshape(-1, 1))
+            if args.ema_decay:
+                for k, v in agent.state_dict().items():
+                    ema[k].lerp_(v, 1 - args.ema_decay) if v.is_floating_point() else ema[k].copy_(v)
             # clip re-weighting: the clips that fail get the episodes (the authors: every 500 epochs, the failed clips)
             if args.reweight_every and iteration % args.reweight_every == 0:
                 all_reduce(clip_stats)
