@@ -18,7 +18,6 @@ import dataclasses
 import os
 import pathlib
 import random
-import shutil
 import signal
 import sys
 import time
@@ -66,8 +65,8 @@ class Args:
     """iterations between kept copies teacher_it<N>.pt (0: none): checkpoints a few hundred k steps apart can differ
     by tens of points from frame 0 under DR, so pick one by evaluation on held seeds (docs/experiments.md)"""
     ema_decay: float = 0.0
-    """> 0: the checkpoint also holds an exponential moving average of the weights (and normalizers) over the
-    iterations, 'model_ema' (0.998: ~500 iterations), an averaged model to evaluate beside the last (0: none)"""
+    """> 0: an exponential moving average of the weights and normalizers over the iterations (0.998: ~500) is
+    saved beside the teacher, teacher_ema.pt (kept copies too), to evaluate or distil like it (0: none)"""
     resume: str = ""  # checkpoint of this script to continue to its budget (only that and the device may change)
     run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
     sim: str = "isaaclab"  # simulator: isaaclab (the paper's training engine), genesis or mujoco (CPU)
@@ -479,16 +478,19 @@ def main(args: Args) -> pathlib.Path:
         env_streams = {"gen": env.gen.get_state(), "clip_weights": env.clip_weights}
         return all_gather({**learner_streams(device), "env": env_streams}, world)
 
-    def save(finished: dict):  # a plain dict, written atomically by rank 0
+    def save(finished: dict):  # plain dicts, written atomically by rank 0
         if rank == 0 and finished["iteration"] > first_iteration:
             ckpt = {"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
                     "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
-                    "critic_opt": critic_opt.state_dict(), **finished, "world_size": world,
-                    **({"model_ema": ema} if args.ema_decay else {})}
-            ssjr.write_atomic(run_dir / "teacher.pt", lambda tmp: torch.save(ckpt, tmp))
-            if args.keep_every and finished["iteration"] % args.keep_every == 0:
-                ssjr.write_atomic(run_dir / f"teacher_it{finished['iteration']}.pt",
-                                  lambda tmp: shutil.copyfile(run_dir / "teacher.pt", tmp))
+                    "critic_opt": critic_opt.state_dict(), **finished, "world_size": world}
+            files = {"teacher": ckpt}
+            if args.ema_decay:  # the average goes on with a resumed run; alone, it is a teacher like any other
+                files = {"teacher": {**ckpt, "model_ema": ema}, "teacher_ema": {
+                    **{k: v for k, v in ckpt.items() if k not in ("actor_opt", "critic_opt", "rng")}, "model": ema}}
+            kept = args.keep_every and finished["iteration"] % args.keep_every == 0
+            for name, c in files.items():
+                for path in [run_dir / f"{name}.pt"] + kept * [run_dir / f"{name}_it{finished['iteration']}.pt"]:
+                    ssjr.write_atomic(path, lambda tmp: torch.save(c, tmp))
 
     first_iteration, start_step = iteration, global_step
     finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}  # the last whole iteration

@@ -194,17 +194,18 @@ def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeyp
 
 
 def test_the_averaged_model_follows_the_weights_and_changes_no_number(tmp_path, monkeypatch):
-    """--ema-decay: every checkpoint (here kept at each iteration) holds model_ema, the previous one's moved
-    1 - decay of the way to the current weights and normalizers; the weights are those of a run without it."""
+    """--ema-decay: each checkpoint (here kept at every iteration) holds model_ema, the previous one's moved 1 - decay
+    of the way to the current weights and normalizers, and teacher_ema.pt holds it as a teacher's weights that load
+    like any; the run's own weights are those of a run without it."""
     from conftest import FakeEnv
     monkeypatch.setattr(teacher, "robot_motions", lambda motions: motions)
     monkeypatch.setattr(envs, "make_env", lambda **k: FakeEnv(LAYOUT, 8))
     common = dict(num_envs=8, num_steps=4, minibatch_size=16, total_env_steps=3 * 32, torch_threads=1, keep_every=1)
     teacher.main(small_args(run_dir=str(tmp_path / "plain"), **common))
     teacher.main(small_args(run_dir=str(tmp_path / "ema"), ema_decay=0.75, **common))
-    load = lambda run, i: torch.load(tmp_path / run / f"teacher_it{i}.pt", weights_only=False)
-    plain, (before, now) = load("plain", 3), (load("ema", 2), load("ema", 3))
-    assert "model_ema" not in plain and now["model_ema"].keys() == now["model"].keys()
+    load = lambda run, name: torch.load(tmp_path / run / name, weights_only=False)
+    plain, before, now = load("plain", "teacher_it3.pt"), load("ema", "teacher_it2.pt"), load("ema", "teacher.pt")
+    assert "model_ema" not in plain and not (tmp_path / "plain" / "teacher_ema.pt").exists()
     moved = 0
     for k, w in now["model"].items():
         assert torch.equal(w, plain["model"][k]), k
@@ -212,6 +213,8 @@ def test_the_averaged_model_follows_the_weights_and_changes_no_number(tmp_path, 
         assert torch.allclose(now["model_ema"][k], expected, atol=1e-7), k
         moved += w.is_floating_point() and not torch.allclose(now["model_ema"][k], w)
     assert moved > 10  # the average lags the weights
+    policy, averaged = teacher.load_policy(tmp_path / "ema" / "teacher_ema_it3.pt")
+    assert "rng" not in averaged and all(torch.equal(v, now["model_ema"][k]) for k, v in policy.state_dict().items())
 
 
 def test_clip_reweighting_follows_the_fall_rates(tmp_path, monkeypatch):
