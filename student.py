@@ -72,7 +72,7 @@ class Args:
     update_epochs: int = 6  # passes per iteration, each over one rollout's worth of samples drawn from the data set
     max_grad_norm: float = 1.0  # gradient clipping
     checkpoint_every: int = 50  # iterations between checkpoints
-    resume: str = ""  # checkpoint of this script to continue to its budget (only that and the device may change)
+    resume: str = ""  # checkpoint of this script to continue (only the budget and the device may change)
     run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
     buffer_iterations: int = 1
     """DAgger's data set: the (student inputs, teacher label) samples of the last this many rollouts (not checkpointed:

@@ -67,7 +67,7 @@ class Args:
     ema_decay: float = 0.0
     """> 0: an exponential moving average of the weights and normalizers over the iterations (0.998: ~500) is
     saved beside the teacher, teacher_ema.pt (kept copies too), to evaluate or distil like it (0: none)"""
-    resume: str = ""  # checkpoint of this script to continue to its budget (only that and the device may change)
+    resume: str = ""  # checkpoint of this script to continue (only the budget, device and --keep-every may change)
     run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
     sim: str = "isaaclab"  # simulator: isaaclab (the paper's training engine), genesis or mujoco (CPU)
     motions: str = "data/packets/g1_moves"  # SSJR packet folder or file (the held-out test clips are excluded)
@@ -453,8 +453,8 @@ def main(args: Args) -> pathlib.Path:
             load_weights(args.resume, module, resume[key])
         global_step, iteration = resume["global_step"], resume["iteration"]
         print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
-    # the averaged model (--ema-decay): each iteration, every float tensor of the state moves 1 - ema_decay of the
-    # way to the current one
+    # the averaged model (--ema-decay): each iteration, every tensor of the state moves 1 - ema_decay of the way to
+    # the current one
     ema = {k: v.detach().to(device, copy=True) for k, v in (resume or {}).get("model_ema", agent.state_dict()).items()}
     if rng is not None:  # this rank's learner streams (sampling, minibatch order)
         set_learner_streams(rng, device)
@@ -590,8 +590,8 @@ def main(args: Args) -> pathlib.Path:
             if agent.value_norm is not None:
                 agent.value_norm.update(returns.reshape(-1, 1))
             if args.ema_decay:
-                for k, v in agent.state_dict().items():
-                    ema[k].lerp_(v, 1 - args.ema_decay) if v.is_floating_point() else ema[k].copy_(v)
+                for k, v in agent.state_dict().items():  # all float: weights and the normalizers' statistics
+                    ema[k].lerp_(v, 1 - args.ema_decay)
             # clip re-weighting: the clips that fail get the episodes (the authors: every 500 epochs, the failed clips)
             if args.reweight_every and iteration % args.reweight_every == 0:
                 all_reduce(clip_stats)
