@@ -416,7 +416,7 @@ def robot_motions(motions: str) -> str | list[str]:
 
 
 def main(args: Args) -> pathlib.Path:
-    # --- set-up: a resumed run takes its checkpoint's settings (only the budget and the device may change)
+    # --- set-up: a resumed run takes its checkpoint's settings (only the budget, device and kept copies may change)
     resume = load_checkpoint(args.resume, "teacher") if args.resume else None
     if resume is not None:
         if "rng" not in resume:
@@ -453,9 +453,10 @@ def main(args: Args) -> pathlib.Path:
             load_weights(args.resume, module, resume[key])
         global_step, iteration = resume["global_step"], resume["iteration"]
         print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
-    # the averaged model (--ema-decay): each iteration, every tensor of the state moves 1 - ema_decay of the way to
-    # the current one
-    ema = {k: v.detach().to(device, copy=True) for k, v in (resume or {}).get("model_ema", agent.state_dict()).items()}
+    # the averaged model (--ema-decay): after each iteration every tensor of the state moves 1 - decay of the way to
+    # the current one (a smaller decay in the first iterations, as TensorFlow's, so the start fades out)
+    ema = None if not args.ema_decay else {
+        k: v.detach().to(device, copy=True) for k, v in (resume or {}).get("model_ema", agent.state_dict()).items()}
     if rng is not None:  # this rank's learner streams (sampling, minibatch order)
         set_learner_streams(rng, device)
     # under torchrun the update runs through DDP: rank 0's weights to every rank now, averaged gradients in backward
@@ -478,7 +479,7 @@ def main(args: Args) -> pathlib.Path:
         env_streams = {"gen": env.gen.get_state(), "clip_weights": env.clip_weights}
         return all_gather({**learner_streams(device), "env": env_streams}, world)
 
-    def save(finished: dict):  # plain dicts, written atomically by rank 0
+    def save(finished: dict, keep: bool = False):  # plain dicts, written atomically by rank 0
         if rank == 0 and finished["iteration"] > first_iteration:
             ckpt = {"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
                     "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
@@ -487,10 +488,10 @@ def main(args: Args) -> pathlib.Path:
             if args.ema_decay:  # the average goes on with a resumed run; alone, it is a teacher like any other
                 files = {"teacher": {**ckpt, "model_ema": ema}, "teacher_ema": {
                     **{k: v for k, v in ckpt.items() if k not in ("actor_opt", "critic_opt", "rng")}, "model": ema}}
-            kept = args.keep_every and finished["iteration"] % args.keep_every == 0
             for name, c in files.items():
-                for path in [run_dir / f"{name}.pt"] + kept * [run_dir / f"{name}_it{finished['iteration']}.pt"]:
-                    ssjr.write_atomic(path, lambda tmp: torch.save(c, tmp))
+                ssjr.write_atomic(run_dir / f"{name}.pt", lambda tmp: torch.save(c, tmp))
+                if keep:
+                    ssjr.write_atomic(run_dir / f"{name}_it{finished['iteration']}.pt", lambda tmp: torch.save(c, tmp))
 
     first_iteration, start_step = iteration, global_step
     finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}  # the last whole iteration
@@ -589,9 +590,10 @@ def main(args: Args) -> pathlib.Path:
             agent.update_norms({k: v[::4] for k, v in buf_obs.items()})
             if agent.value_norm is not None:
                 agent.value_norm.update(returns.reshape(-1, 1))
-            if args.ema_decay:
+            if ema is not None:
+                decay = min(args.ema_decay, (1 + iteration) / (10 + iteration))
                 for k, v in agent.state_dict().items():  # all float: weights and the normalizers' statistics
-                    ema[k].lerp_(v, 1 - args.ema_decay)
+                    ema[k].lerp_(v, 1 - decay)
             # clip re-weighting: the clips that fail get the episodes (the authors: every 500 epochs, the failed clips)
             if args.reweight_every and iteration % args.reweight_every == 0:
                 all_reduce(clip_stats)
@@ -631,8 +633,9 @@ def main(args: Args) -> pathlib.Path:
                       f"{1000 * mean['gt_err_m']:.0f} mm | kl {mean['approx_kl']:.4f} | nan resets "
                       f"{total['nan_resets']:.0f} | ETA "
                       f"{(args.total_env_steps - global_step) / sps / 60:.1f} min", flush=True)
-            if iteration % args.checkpoint_every == 0 or (args.keep_every and iteration % args.keep_every == 0):
-                save(finished)
+            keep = args.keep_every > 0 and iteration % args.keep_every == 0  # a crash does not rewrite a kept copy
+            if keep or iteration % args.checkpoint_every == 0:
+                save(finished, keep)
     except BaseException:  # a crash still leaves the last whole iteration on disk (unless the weights went bad)
         if all(p.isfinite().all() for p in agent.parameters()):
             save(finished)

@@ -195,25 +195,39 @@ def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeyp
 
 def test_the_averaged_model_follows_the_weights_and_changes_no_number(tmp_path, monkeypatch):
     """--ema-decay: each checkpoint (here kept at every iteration) holds model_ema, the previous one's moved 1 - decay
-    of the way to the current weights and normalizers, and teacher_ema.pt holds it as a teacher's weights that load
-    like any; the run's own weights are those of a run without it."""
+    of the way to the current weights and normalizers (decay min(D, (1 + it) / (10 + it))), and teacher_ema.pt holds
+    it as a teacher's weights that load like any; --resume goes on with it; the weights are a plain run's."""
     from conftest import FakeEnv
     monkeypatch.setattr(teacher, "robot_motions", lambda motions: motions)
     monkeypatch.setattr(envs, "make_env", lambda **k: FakeEnv(LAYOUT, 8))
     common = dict(num_envs=8, num_steps=4, minibatch_size=16, total_env_steps=3 * 32, torch_threads=1, keep_every=1)
     teacher.main(small_args(run_dir=str(tmp_path / "plain"), **common))
     teacher.main(small_args(run_dir=str(tmp_path / "ema"), ema_decay=0.75, **common))
+    teacher.main(small_args(resume=str(tmp_path / "ema" / "teacher.pt"), total_env_steps=4 * 32))
     load = lambda run, name: torch.load(tmp_path / run / name, weights_only=False)
-    plain, before, now = load("plain", "teacher_it3.pt"), load("ema", "teacher_it2.pt"), load("ema", "teacher.pt")
-    assert "model_ema" not in plain and not (tmp_path / "plain" / "teacher_ema.pt").exists()
-    moved = 0
-    for k, w in now["model"].items():
-        assert torch.equal(w, plain["model"][k]), k
-        assert torch.allclose(now["model_ema"][k], torch.lerp(before["model_ema"][k], w, 0.25), atol=1e-7), k
-        moved += not torch.allclose(now["model_ema"][k], w)
-    assert moved > 10  # the average lags the weights
-    policy, averaged = teacher.load_policy(tmp_path / "ema" / "teacher_ema_it3.pt")
+    assert "model_ema" not in load("plain", "teacher.pt") and not (tmp_path / "plain" / "teacher_ema.pt").exists()
+    for it, decay in ((2, 3 / 12), (3, 4 / 13), (4, 5 / 14)):  # the warm-up: under 0.75 until it 26
+        before, now = load("ema", f"teacher_it{it - 1}.pt"), load("ema", f"teacher_it{it}.pt")
+        if it < 4:
+            assert all(torch.equal(w, load("plain", f"teacher_it{it}.pt")["model"][k]) for k, w in now["model"].items())
+        moved = 0
+        for k, w in now["model"].items():
+            assert torch.allclose(now["model_ema"][k], torch.lerp(before["model_ema"][k], w, 1 - decay), atol=1e-7), k
+            moved += not torch.allclose(now["model_ema"][k], w)
+        assert moved > 10  # the average lags the weights
+    policy, averaged = teacher.load_policy(tmp_path / "ema" / "teacher_ema_it4.pt")
     assert "rng" not in averaged and all(torch.equal(v, now["model_ema"][k]) for k, v in policy.state_dict().items())
+
+
+def test_a_resumed_run_changes_only_its_budget_device_and_kept_copies():
+    """--resume takes the checkpoint's settings; the budget and --keep-every only when named (not the preset's)."""
+    saved = {"args": dataclasses.asdict(small_args(total_env_steps=1000, keep_every=2, ema_decay=0.5, seed=3))}
+    cpu = dataclasses.replace(teacher.PRESETS["cpu"], resume="run/teacher.pt")
+    bare = teacher.resumed_args(cpu, saved, teacher.PRESETS)
+    assert (bare.total_env_steps, bare.keep_every, bare.ema_decay, bare.run_dir) == (1000, 2, 0.5, "run")
+    named = teacher.resumed_args(dataclasses.replace(cpu, total_env_steps=2000, keep_every=3, ema_decay=0.9, seed=1),
+                                 saved, teacher.PRESETS)
+    assert (named.total_env_steps, named.keep_every, named.ema_decay, named.seed) == (2000, 3, 0.5, 3)
 
 
 def test_clip_reweighting_follows_the_fall_rates(tmp_path, monkeypatch):
