@@ -10,15 +10,18 @@ physics, applies joint torques and reads/writes state. Physics runs at 200 Hz, t
 PD law tau = kp * (alpha - q) - kd * qdot, the delay line and the gain randomization are computed here at every physics
 step, identically on every engine. On a CPU, Genesis and Isaac Lab step on one core, MuJoCo on this process's
 share of the cores (slices of its envs on threads); the trainers scale out with torchrun.
-Isaac Lab 3.0 steps MuJoCo-Warp: MuJoCo and Isaac Lab are near twins, Genesis is the different physics (the real
-zero-shot test). What differs (the same MJCF, gains, armature, friction and floor everywhere):
-| engine    | integrator               | constraint solver (Newton)                  | contact time constant      |
-|-----------|--------------------------|---------------------------------------------|----------------------------|
-| Genesis   | approximate implicitfast | 25 iterations, 50 line search               | 0.02 s (CONTACT_TIMECONST_S) |
-| Isaac Lab | implicitfast (MJWarp)    | 100 / 50, tolerance 1e-6, pyramidal cones   | MJCF solref 0.02 s         |
-| MuJoCo    | implicitfast             | 100 / 50, tolerance 1e-8, pyramidal cones   | MJCF solref 0.02 s         |
-Collision: Genesis runs its own narrow phase on the MJCF capsules; Isaac Lab and MuJoCo run MuJoCo's. (100 Genesis
-iterations instead of 25 changed no evaluation result: Newton converges in a few.)
+Isaac Lab 3.0 steps MuJoCo-Warp: MuJoCo and Isaac Lab are near twins (the in-domain family; the cpu preset trains
+on MuJoCo), Genesis is the different physics, the zero-shot engine, with its own defaults. Every engine loads the same
+MJCF with our joint table (gains, armature, damping, friction), floor friction and no self-collision; what differs:
+| engine          | integrator               | constraint solver (Newton)                | contact time constant       |
+|-----------------|--------------------------|-------------------------------------------|-----------------------------|
+| MuJoCo          | implicitfast             | 100 / 50 line search, tol 1e-8, pyramidal | psi: U[0.01, 0.03] s (+DR)  |
+| Isaac Lab       | implicitfast (MJWarp)    | 100 / 50, tolerance 1e-6, pyramidal cones | MJCF solref 0.02 s          |
+| Genesis         | approximate implicitfast | 25 iterations, 50 line search             | Genesis' default 0.01 s     |
+| genesis_aligned | as Genesis               | as Genesis                                | CONTACT_TIMECONST_S 0.02 s  |
+Collision: Genesis runs its own narrow phase on the MJCF capsules; Isaac Lab and MuJoCo run MuJoCo's. Genesis' loader
+defaults (armature 0.1, no joint damping or friction) and its self-collision are overridden, as on every engine. The
+contact time constant is per episode only on MuJoCo; elsewhere it is one value per scene, and psi records that value.
 
 Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading frame = root frame with yaw only):
 | key               | shape      | content                                                                         |
@@ -36,7 +39,8 @@ Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading fr
 | history_mask      | [K]        | True where the history entry exists (False before the episode start)            |
 | student_proprio   | [8, S+29]  | student, steps t-7..t: sparse state s and last alpha (no privileged terms)      |
 | student_keypoints | [12, J*3]  | student, SSJR keypoints Y at t-7..t+4, relative to the robot root (heading)     |
-| critic            | [1235]     | privileged: proprio_t (with the root's velocity), future at t+1, terrain, psi   |
+| psi               | [1, 11]    | privileged: the episode's dynamics (PSI_KEYS), for a teacher that reads them    |
+| critic            | [1236]     | privileged: proprio_t (with the root's velocity), future at t+1, terrain, psi   |
 """
 import concurrent.futures
 import contextlib
@@ -59,6 +63,7 @@ import ssjr
 from ssjr import InputError, quat_apply, quat_conj, quat_mul, rot6d, rotate_z, yaw_rad, z_quat
 
 PHYSICS_DT_S = 0.005  # 200 Hz physics
+MAX_DELAY_STEPS = 8  # the longest control delay the delay line holds, physics steps (two control periods)
 NUM_DOF, NUM_BODIES = ssjr.NUM_DOF, len(ssjr.BODY_NAMES)
 SPARSE_STATE_DIM = 2 * NUM_DOF + 3 + 3  # s: dof pos, dof vel, gyro, gravity direction (the table above)
 PROPRIO_DIM = 1 + (NUM_BODIES - 1) * 3 + NUM_BODIES * (6 + 3 + 3) + 2 * NUM_DOF + NUM_DOF  # P in the table above
@@ -68,7 +73,7 @@ CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
 # psi, tile, pushes and noise from its own stream seeded by (seed, clip, episode), so that episodes are independent and
 # two policies evaluated with the same seed meet the same draws (paired episodes)
 START_MODES = ("random", "frame0")
-SIMS = ("isaaclab", "genesis", "mujoco")  # the engines (adapters below)
+SIMS = ("isaaclab", "genesis", "genesis_aligned", "mujoco")  # the engines (adapters below; the table above)
 START_MARGIN_S = 1.0  # episodes start at least this long before their clip ends (shorter clips: at frame 0)
 
 # joint-name fragment: (PD gains kp N m/rad, kd N m s/rad, effort limit N m). Paper: hips 100, knees 200, waist 400,
@@ -85,9 +90,8 @@ JOINT_FRICTION = 0.03  # N m, dry friction (frictionloss)
 JOINT_DAMPING = 0.05  # N m s/rad, passive joint damping (on top of the PD's kd)
 FEET = ("left_ankle_roll_link", "right_ankle_roll_link")  # the links whose friction is the ground-foot friction
 GROUND_FRICTION = 0.01  # every engine: contact friction = max of the pair, so the feet's friction decides
-# Contact softness: the time constant of MuJoCo's default solref, which Isaac Lab (MJWarp) and MuJoCo apply to the
-# MJCF's geoms; Genesis' own default is 0.01 s (stiffer), and that difference alone carried most of the Genesis ->
-# MuJoCo-family zero-shot gap of a Genesis-trained student (docs/experiments.md)
+# Contact softness: the time constant of MuJoCo's default solref (nominal psi), which Isaac Lab (MJWarp) applies to
+# the MJCF's geoms; Genesis' own default is 0.01 s (stiffer): genesis_aligned runs Genesis at this value
 CONTACT_TIMECONST_S = 0.02
 # Self-collision off in both engines: faster stepping, and retargeted dance clips often pass a hand through the torso,
 # which a colliding robot cannot track anyway.
@@ -130,6 +134,9 @@ class DR:
     kd_scale: tuple[float, float] = (0.9, 1.1)  # scale of the PD damping
     gravity_mps2: tuple[float, float] = (9.7, 9.9)  # magnitude of gravity (down)
     friction: tuple[float, float] = (0.6, 1.2)  # ground-foot friction (the paper names the term, not its range)
+    # contact softness (the paper's "contact stiffness"): MuJoCo's solref time constant, s; 0.01 s is the floor at
+    # 200 Hz (2 physics steps). Per episode on MuJoCo; Genesis and Isaac Lab keep one value per scene
+    contact_timeconst_s: tuple[float, float] = (0.01, 0.03)
     com_offset_m: float = 0.03  # torso centre-of-mass shift, uniform in +-this per axis
     push_interval_s: tuple[float, float] = (5.0, 10.0)  # time between pushes
     push_vel_mps: float = 0.8  # largest horizontal root-velocity kick (uniform direction, size U[0, this])
@@ -156,11 +163,11 @@ class DR:
 
 
 PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction",
-            "com_offset_x_m", "com_offset_y_m", "com_offset_z_m")
+            "com_offset_x_m", "com_offset_y_m", "com_offset_z_m", "contact_timeconst_s")  # drawn in this order
 BODY_PSI_KEYS = ("mass_scale", "joint_scale", "com_offset_x_m", "com_offset_y_m", "com_offset_z_m")  # see DR
-# the nominal dynamics: no delay, unit scales, earth gravity, friction 1 (and no CoM offset)
+# the nominal dynamics: no delay, unit scales, earth gravity, friction 1, MuJoCo's contact (and no CoM offset)
 NOMINAL_PSI = dict(delay_steps=0, mass_scale=1.0, joint_scale=1.0, kp_scale=1.0, kd_scale=1.0, gravity_mps2=9.81,
-                   friction=1.0)
+                   friction=1.0, contact_timeconst_s=CONTACT_TIMECONST_S)
 
 
 def uniform(lo_hi: tuple[float, float], n: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -172,10 +179,13 @@ def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str,
     """psi ~ P(Psi) for n episodes; dr=None gives the nominal dynamics (the 'w/o DR' ablation, and clean evaluation)."""
     if dr is None:
         return {k: torch.full((n,), float(NOMINAL_PSI.get(k, 0.0)), device=device) for k in PSI_KEYS}
-    lo, hi = dr.delay_steps  # then the scales, gravity and friction, then the CoM offset (PSI_KEYS order)
+    lo, hi = dr.delay_steps  # then the scales, gravity and friction, the CoM offset, the contact (PSI_KEYS order)
+    if not 0 <= lo <= hi <= MAX_DELAY_STEPS:
+        raise InputError("delay_steps", f"{dr.delay_steps}: the delay line holds 0..{MAX_DELAY_STEPS} physics steps")
     return {"delay_steps": torch.randint(lo, hi + 1, (n,), generator=gen, device=device).float(),
             **{k: uniform(getattr(dr, k), n, gen, device) for k in PSI_KEYS[1:7]},
-            **{f"com_offset_{a}_m": uniform((-dr.com_offset_m, dr.com_offset_m), n, gen, device) for a in "xyz"}}
+            **{f"com_offset_{a}_m": uniform((-dr.com_offset_m, dr.com_offset_m), n, gen, device) for a in "xyz"},
+            "contact_timeconst_s": uniform(dr.contact_timeconst_s, n, gen, device)}
 
 
 # --- Terrain: one heightfield of square tiles shared by all envs; each env spawns on a tile drawn from the mix.
@@ -276,8 +286,10 @@ def resolve_motions(motions) -> list[pathlib.Path]:
 
 # --- Engine adapters: step physics with given joint torques, read and write state. Nothing task-specific.
 class EngineSim:
-    """What the adapters share: states in MuJoCo joint and body order, as float32 tensors on the env's device."""
+    """What the adapters share: states in MuJoCo joint and body order, as float32 tensors on the env's device.
+    contact_timeconst_s: the scene's one contact time constant, or None where set_contact_timeconst sets it per env."""
     dof_names, body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
+    contact_timeconst_s: float | None = CONTACT_TIMECONST_S
 
     def _t(self, x) -> torch.Tensor:
         return torch.as_tensor(x, dtype=torch.float32, device=self.device)
@@ -288,7 +300,7 @@ class GenesisSim(EngineSim):
     performance_mode = False  # the mode gs.init ran with in this process (one per process)
 
     def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S,
-                 performance_mode: bool = False):
+                 performance_mode: bool = False, contact_timeconst_s: float | None = None):
         import genesis as gs
         import quadrants  # Genesis' kernel compiler (imported by genesis)
         if not getattr(gs, "_initialized", False):
@@ -308,8 +320,11 @@ class GenesisSim(EngineSim):
         elif GenesisSim.performance_mode != performance_mode:
             raise ValueError(f"Genesis runs with performance_mode={GenesisSim.performance_mode} in this process")
         self.num_envs, self.device = num_envs, torch.device(device)
+        # Genesis' own solver and contact settings (None: its default time constant); batched DR, no self-collision
+        contact = {} if contact_timeconst_s is None else {"constraint_timeconst": contact_timeconst_s}
         rigid = gs.options.RigidOptions(batch_links_info=True, batch_dofs_info=True, batch_joints_info=True,
-                                        enable_self_collision=SELF_COLLISION, constraint_timeconst=CONTACT_TIMECONST_S)
+                                        enable_self_collision=SELF_COLLISION, **contact)
+        self.contact_timeconst_s = rigid.constraint_timeconst
         self.scene = gs.Scene(sim_options=gs.options.SimOptions(dt=dt_s, substeps=1), rigid_options=rigid,
                               show_viewer=False)
         ground = gs.morphs.Plane() if terrain.is_flat else gs.morphs.Terrain(
@@ -627,7 +642,8 @@ class MuJoCoSim(EngineSim):
     releases the GIL). The scene is SCENE_XML, plus a heightfield for non-flat terrain. Each step is mj_step2 then
     mj_step1, so positions, velocities and kinematics are always those of the current state. MuJoCo resets an env whose
     state goes bad (non-finite, huge accelerations) by itself, with a warning: nan_envs() reports those envs like the
-    other engines' blow-ups."""
+    other engines' blow-ups. The contact time constant is per env (psi), on every geom's solref."""
+    contact_timeconst_s = None
 
     def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S):
         import mujoco
@@ -743,6 +759,10 @@ class MuJoCoSim(EngineSim):
             self.models[i].geom_friction[self.feet, 0] = float(mu[k])
             self._refresh(i)
 
+    def set_contact_timeconst(self, env_ids, timeconst_s) -> None:
+        for k, i in enumerate(env_ids.tolist()):  # a contact's solref mixes its two geoms': the same on all of them
+            self.models[i].geom_solref[:, 0] = float(timeconst_s[k])
+
     def set_joint_params(self, env_ids, armature, damping, frictionloss) -> None:
         a, b, c = (x.cpu().double().numpy() for x in (armature, damping, frictionloss))
         for k, i in enumerate(env_ids.tolist()):
@@ -796,6 +816,9 @@ class TrackingEnv:
         self.ref_offset = torch.zeros(n, 3, device=dev)  # world offset of the reference (tile spawn point)
         self.next_push_s = torch.full((n,), float("inf"), device=dev)
         self.last_alpha = torch.zeros(n, NUM_DOF, device=dev)  # the PD target of the previous control step
+        # the delay line: the PD targets of the last control steps, oldest first (a delay of d physics steps reaches
+        # back ceil(d / DECIMATION) control steps)
+        self.alpha_line = torch.zeros(n, -(-MAX_DELAY_STEPS // DECIMATION) + 1, NUM_DOF, device=dev)
         self.proprio_buf = torch.zeros(n, self.PROPRIO_STEPS, PROPRIO_DIM, device=dev)
         self.sparse_buf = torch.zeros(n, self.STUDENT_PAST, SPARSE_STATE_DIM + NUM_DOF, device=dev)
         self.history = torch.zeros(n, self.HISTORY_LEN, SPARSE_STATE_DIM + NUM_DOF, device=dev)
@@ -895,6 +918,7 @@ class TrackingEnv:
         self.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], ref["body_lin_vel"][:, 0],
                              ref["body_ang_vel"][:, 0], ref["dof_pos"], ref["dof_vel"])
         self.last_alpha[ids], self.history[ids] = ref["dof_pos"], 0.0
+        self.alpha_line[ids] = ref["dof_pos"][:, None]
         self.history_mask[ids], self._fresh[ids] = False, True
 
     def _write_psi(self, ids: torch.Tensor, body: bool):
@@ -906,6 +930,10 @@ class TrackingEnv:
             js = psi["joint_scale"][:, None].expand(len(ids), NUM_DOF)
             self.sim.set_joint_params(ids, ARMATURE * js, JOINT_DAMPING * js, JOINT_FRICTION * js)
         self.sim.set_friction(ids, psi["friction"])
+        if self.sim.contact_timeconst_s is None:
+            self.sim.set_contact_timeconst(ids, psi["contact_timeconst_s"])
+        else:  # one value per scene: psi records the one the episode meets
+            self.psi["contact_timeconst_s"][ids] = self.sim.contact_timeconst_s
         self.sim.set_gravity(ids, torch.nn.functional.pad(-psi["gravity_mps2"][:, None], (2, 0)))
         self.dr_write_s += time.perf_counter() - start
 
@@ -925,9 +953,12 @@ class TrackingEnv:
             self.sim.set_root_velocity(ids, v[ids] + torch.nn.functional.pad(kick, (0, 1)), w[ids])
             self.next_push_s[ids] += self._draw(ids, lambda k, g: uniform(self.dr.push_interval_s, k, g, dev))
         power = torch.zeros(self.num_envs, device=dev)
+        self.alpha_line = shift_in(self.alpha_line, alpha)
         for k in range(DECIMATION):
-            # control delay of d physics steps: the new target reaches the motors d steps into the control period
-            target = torch.where(k >= psi["delay_steps"][:, None], alpha, self.last_alpha)
+            # control delay of d physics steps: physics step k of this period plays the target of ceil((d - k) / 4)
+            # control steps ago (0: this one)
+            lag = torch.div(psi["delay_steps"].long() - k + DECIMATION - 1, DECIMATION, rounding_mode="floor").clamp(0)
+            target = self.alpha_line[self.all_ids, -1 - lag]
             q, qd = self.sim.dof_state()
             tau = (kp * (target - q) - kd * qd).clamp(-self.effort_limit_nm, self.effort_limit_nm)
             start = time.perf_counter()
@@ -1018,7 +1049,7 @@ class TrackingEnv:
         psi = torch.stack([self.psi[k] for k in PSI_KEYS], -1)
         obs = {"proprio": self.proprio_buf.clone(), "future": future, "ref_dof_pos": fut["dof_pos"][:, 0],
                "terrain": terrain, "history": self.history.clone(), "history_mask": self.history_mask.clone(),
-               "student_proprio": self.sparse_buf.clone(), "student_keypoints": keypoints,
+               "student_proprio": self.sparse_buf.clone(), "student_keypoints": keypoints, "psi": psi[:, None],
                "critic": torch.cat([critic_proprio, future[:, 0], terrain, psi], -1)}
         self.obs_layout = self.obs_layout or {k: list(v.shape[1:]) for k, v in obs.items()}
         return obs
@@ -1054,12 +1085,14 @@ def tile_weights(tile_types, mix: dict[str, float]) -> torch.Tensor:
 def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
              dr: DR | str | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
              exclude_test: bool = True, performance_mode: bool = False,
-             terrain_seed: int | None = None, termination: str = "max", root_velocity: bool = True) -> TrackingEnv:
+             terrain_seed: int | None = None, termination: str = "max", root_velocity: bool = True,
+             contact_timeconst_s: float | None = None) -> TrackingEnv:
     """Build the tracking env on `sim` (SIMS). `motions`: packet folder/file/list; the held-out
     test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation).
     performance_mode (Genesis): kernels compiled for this exact num_envs (faster CPU physics, a longer compile at every
     start; one mode per process). terrain_seed: the heightfield's seed (default: seed). termination: TERMINATIONS.
     root_velocity: the teacher's proprio holds the root's linear velocity (False: the bodies' relative to it).
+    contact_timeconst_s: Genesis' one contact time constant (None: its default; genesis_aligned: CONTACT_TIMECONST_S).
     dr: a DR, "default" (DR(): what a checkpoint's env_cfg records) or None (nominal dynamics)."""
     dr = DR() if dr == "default" else dr
     if num_envs < 1:
@@ -1077,8 +1110,12 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
             print(f"held out (ssjr.TEST_CLIPS), not trained on: {', '.join(p.name for p in test)}")
     motion_lib = MotionLib(paths, device)  # before the engine: a bad motion file leaves no simulator behind
     ground = make_terrain(terrain, seed if terrain_seed is None else terrain_seed)
-    engine = (GenesisSim(num_envs, device, ground, performance_mode=performance_mode) if sim == "genesis"
-              else IsaacLabSim(num_envs, device, ground) if sim == "isaaclab" else MuJoCoSim(num_envs, device, ground))
+    if sim.startswith("genesis"):
+        aligned = CONTACT_TIMECONST_S if sim == "genesis_aligned" else None
+        engine = GenesisSim(num_envs, device, ground, performance_mode=performance_mode,
+                            contact_timeconst_s=contact_timeconst_s or aligned)
+    else:
+        engine = IsaacLabSim(num_envs, device, ground) if sim == "isaaclab" else MuJoCoSim(num_envs, device, ground)
     return TrackingEnv(engine, motion_lib, ground, dr, seed, start, termination, root_velocity)
 
 

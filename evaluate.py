@@ -6,12 +6,15 @@
     python evaluate.py --ckpt s.pt --settings genesis --seeds 0 --episodes 1 --max-steps 100   # smoke run
     python evaluate.py --ckpt t.pt s0.pt s1.pt s2.pt --labels teacher student student student   # training runs
 
-Settings: `<engine>[+dr|+noise][<k>][@<terrain>]`; engine = isaaclab | genesis | mujoco | in_domain (the first
-checkpoint's env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab for Genesis); +dr =
-envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise); +noise = envs.DR.noise_only() (nominal dynamics, no
-pushes, the sensor noise alone: the nominal setting as a rate); k: every sensor-noise std times k (`genesis+noise0.1`:
-a tenth, the same draws scaled; envs.DR.noise_scale); terrain = flat | smooth_slope | rough_slope. --onnx adds the
-settings deploy[+drift<v>]: the exported student played by deploy.py in MuJoCo from its ONNX contract alone.
+Settings: `<engine>[+dr|+noise][<k>][@<terrain>][:<cell>...]`; engine = isaaclab | genesis | genesis_aligned | mujoco
+| in_domain (the first checkpoint's env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab
+for Genesis); +dr = envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise); +noise = envs.DR.noise_only()
+(nominal dynamics, no pushes, the sensor noise alone: the nominal setting as a rate); k: every sensor-noise std times k
+(`genesis+noise0.1`: a tenth, the same draws scaled; envs.DR.noise_scale); terrain = flat | smooth_slope | rough_slope.
+Cells (with +dr): a GRID cell, one psi term beyond its training range (`mujoco+dr:delay5-6`; `grid`: every cell on the
+in-domain engine, and their mean), and the m_t diagnostics M_T_PROBES (`mujoco+dr:mt_shuffled`: does the policy use
+its history?). --onnx adds the settings deploy[+drift<v>]: the exported student played by deploy.py in MuJoCo from its
+ONNX contract alone. --probe: a linear probe of psi from m_t instead of an evaluation.
 
 Episodes. Under +dr (and +noise) every episode draws its own psi (body terms included), tile, pushes and sensor noise
 from a stream seeded by (seed, clip, episode) alone (envs.START_MODES): the episodes are independent samples, and those
@@ -90,9 +93,19 @@ TABLE1_METRICS = (("success", "Succ. (%)↑"), ("steps", "steps↑"), ("g_mpjpe_
                   ("mpjpe_mm", "mpjpe (mm)↓"))
 KEYPOINT_TABLE = (("keypoint_err_mm", "keypoint err (mm)↓"), ("fell", "falls (%)↓"), ("steps", "steps↑"))
 ROBOT, HUMAN_KEYPOINTS = "robot", "human_keypoints"  # the packet kinds (ssjr.packet_kind)
-ENGINES = {"isaaclab": "IsaacLab", "genesis": "Genesis", "mujoco": "MuJoCo"}
+ENGINES = {"isaaclab": "IsaacLab", "genesis": "Genesis", "genesis_aligned": "Genesis aligned", "mujoco": "MuJoCo"}
 # zero_shot: the engine least like the training one (Isaac Lab 3.0 steps MuJoCo-Warp: MuJoCo and Isaac Lab are twins)
-ZERO_SHOT = {"isaaclab": "genesis", "genesis": "isaaclab", "mujoco": "genesis"}
+ZERO_SHOT = {"isaaclab": "genesis", "genesis": "isaaclab", "genesis_aligned": "isaaclab", "mujoco": "genesis"}
+# The grid of unseen dynamics: +DR with one psi term set beyond its training range (envs.DR: delay 0-3 physics steps,
+# gains, masses x0.9-1.1, friction 0.6-1.2, contact 0.01-0.03 s), declared in docs/experiments.md before any result
+GRID = {"delay5-6": {"delay_steps": (5, 6)}, "delay8": {"delay_steps": (8, 8)},
+        **{f"gains{x}": {"kp_scale": (x, x), "kd_scale": (x, x)} for x in (0.75, 1.25)},
+        **{f"mass{x}": {"mass_scale": (x, x)} for x in (0.8, 1.2)},
+        **{f"friction{x}": {"friction": (x, x)} for x in (0.3, 1.5)},
+        "contact0.04": {"contact_timeconst_s": (0.04, 0.04)}}
+# m_t diagnostics: the policy's history H_t emptied (m_t from no evidence) or rolled across the envs (another episode's)
+M_T_PROBES = ("mt_empty", "mt_shuffled")
+PROBE_STEPS = (20, 160)  # --probe: the control steps of each episode whose features are collected
 RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
 Z95 = stats.norm.ppf(0.975)
 
@@ -105,7 +118,7 @@ class Args:
     """table row names, one per checkpoint (default: file stems); checkpoints sharing a label are runs of one method"""
     settings: tuple[str, ...] = ("isaaclab", "isaaclab+dr", "genesis", "genesis+dr",
                                  "zero_shot@smooth_slope", "zero_shot@rough_slope")
-    """evaluation settings, `<engine>[+dr|+noise][<k>][@<terrain>]` (see the module docstring)"""
+    """evaluation settings, `<engine>[+dr|+noise][<k>][@<terrain>][:<cell>]` or `grid` (see the module docstring)"""
     motions: str = ""  # '' = the test split (ssjr.TEST_CLIPS); else a folder/file of packets and/or keypoint commands
     packet_dir: str = str(ssjr.REPO / "data" / "packets" / "g1_moves")  # searched recursively for test-split packets
     seeds: tuple[int, ...] = (0, 1, 2)  # they seed each episode's psi, tile, pushes and noise (with its clip and index)
@@ -126,6 +139,9 @@ class Args:
     parity: bool = False
     """instead of evaluating: on the first motion, compare deploy.py's inputs with the MuJoCo env's and the ONNX
     (--onnx) actions with the student's (--ckpt); print the first term beyond tolerance or 'all inputs match'"""
+    probe: bool = False
+    """instead of evaluating: on the first setting (+dr) and motion, R² on held-out episodes of a ridge regression of
+    each psi term from the policy's m_t, from the current sparse state s_t alone and from the raw history H_t"""
 
 
 # --- 1. Metrics: pure functions over one episode's arrays, positions [T,B,3] (m), quaternions [T,B,4] (wxyz). ---
@@ -431,7 +447,7 @@ def write_outputs(out_dir, rows: list[dict], labels: list[str], settings: list[S
     episodes = io.StringIO()  # one line per episode; columns: the union of the row keys in first-seen order
     w = csv.DictWriter(episodes, list(dict.fromkeys(k for r in rows for k in r)), lineterminator="\n")
     w.writeheader()
-    w.writerows(rows)
+    w.writerows(r for r in rows if not r["setting"].startswith("grid_mean"))  # the grid cells' rows again
     ssjr.write_atomic(out / "episodes.csv", lambda tmp: tmp.write_text(episodes.getvalue(), newline=""))
     kinds = {command: [r for r in rows if r["command"] == command] for command in (ROBOT, HUMAN_KEYPOINTS)}
 
@@ -467,6 +483,7 @@ class Setting:
     deploy_drift_mps: float | None = None  # played by deploy.py from the ONNX, with this root-estimate drift
     noise_only: bool = False  # +noise: envs.DR.noise_only()
     noise_scale: float = 1.0  # <k>: the sensor noise times k
+    cells: tuple[str, ...] = ()  # GRID cells and M_T_PROBES
 
     @property
     def title(self) -> str:
@@ -475,13 +492,15 @@ class Setting:
         terrain = "" if self.terrain == "flat" else f" {self.terrain.replace('_', ' ')}"
         dr = "+noise" if self.noise_only else "+DR" if self.dr else ""
         dr += f" x{self.noise_scale:g}" if self.noise_scale != 1 else ""
-        return f"{ENGINES[self.sim]}{dr}{terrain} ({'ID' if self.in_domain else 'OOD'})"
+        cells = "".join(f" {c}" for c in self.cells)
+        return f"{ENGINES[self.sim]}{dr}{terrain}{cells} ({'ID' if self.in_domain else 'OOD'})"
 
 
 def parse_setting(token: str, train_sim: str) -> Setting:
-    """'<engine>[+dr|+noise][<k>][@<terrain>]' -> Setting; engine isaaclab | genesis | mujoco | in_domain |
-    zero_shot; k: a factor on the sensor noise."""
-    spec, _, terrain = token.lower().partition("@")
+    """'<engine>[+dr|+noise][<k>][@<terrain>][:<cell>...]' -> Setting; engine in ENGINES, in_domain or zero_shot; k: a
+    factor on the sensor noise; cells: GRID or M_T_PROBES, with +dr."""
+    token, *cells = token.lower().split(":")
+    spec, _, terrain = token.partition("@")
     engine, plus, dr = spec.partition("+")
     terrain = terrain or "flat"
     sim = {"in_domain": train_sim, "zero_shot": ZERO_SHOT[train_sim]}.get(engine, engine)
@@ -490,10 +509,21 @@ def parse_setting(token: str, train_sim: str) -> Setting:
         raise ssjr.InputError("--settings", f"bad setting {token!r}: use <engine>[+dr|+noise][<k>][@<terrain>], engine "
                               f"in {tuple(ENGINES) + ('in_domain', 'zero_shot')}, k a number, terrain in "
                               f"{envs.TERRAIN_TYPES}")
+    if cells and (kind != "dr" or len(set(cells)) < len(cells) or not set(cells) <= {*GRID, *M_T_PROBES}
+                  or sim == "isaaclab" and "contact0.04" in cells):
+        raise ssjr.InputError("--settings", f"bad cells in {token!r}: distinct ones of {[*GRID, *M_T_PROBES]} after "
+                              f"+dr (Isaac Lab has one contact time constant)")
     scale = float(k or 1)
     name = (sim + plus + (kind or "") + (f"{scale:g}" if scale != 1 else "")
-            + ("" if terrain == "flat" else f"@{terrain}"))
-    return Setting(name, sim, bool(plus), terrain, sim == train_sim, noise_only=kind == "noise", noise_scale=scale)
+            + ("" if terrain == "flat" else f"@{terrain}") + "".join(f":{c}" for c in cells))
+    return Setting(name, sim, bool(plus), terrain, sim == train_sim, noise_only=kind == "noise", noise_scale=scale,
+                   cells=tuple(cells))
+
+
+def parse_settings(tokens, train_sim: str) -> list[Setting]:
+    """--settings: `grid[:<probe>]` stands for every GRID cell on the in-domain engine (+dr), with that m_t probe."""
+    return [parse_setting(t, train_sim) for token in tokens for t in (
+        [f"in_domain+dr:{c}{token[4:]}" for c in GRID] if token.lower().partition(":")[0] == "grid" else [token])]
 
 
 def motion_name(clip: str) -> str:
@@ -521,9 +551,11 @@ def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path]
                seed: int) -> contextlib.closing:
     """The checkpoint's env with the setting's overrides, closed on exit or error (Isaac Lab: one env per process)."""
     dr = envs.DR.noise_only() if setting.noise_only else envs.DR() if setting.dr else None
+    psi = {k: v for c in setting.cells for k, v in GRID.get(c, {}).items()}  # on Genesis, contact is the scene's
+    contact = psi["contact_timeconst_s"][0] if "contact_timeconst_s" in psi and setting.sim != "mujoco" else None
     return contextlib.closing(envs.make_env(**{
-        **env_cfg, "sim": setting.sim, "terrain": setting.terrain,
-        "dr": None if dr is None else dataclasses.replace(dr, noise_scale=setting.noise_scale),
+        **env_cfg, "sim": setting.sim, "terrain": setting.terrain, "contact_timeconst_s": contact,
+        "dr": None if dr is None else dataclasses.replace(dr, noise_scale=setting.noise_scale, **psi),
         "motions": [str(p) for p in motion_paths], "num_envs": num_envs, "device": device, "seed": seed,
         "start": "frame0", "exclude_test": False, "termination": "mean"}))
 
@@ -536,10 +568,22 @@ def episode_plan(num_envs: int, num_clips: int, episodes_per_clip: int) -> list[
             for i in range(num_envs)]
 
 
-def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int]]], max_steps: int = 0):
+def history_probe(obs: dict, cells, gen: torch.Generator) -> dict:
+    """The observations a policy reads under the m_t diagnostics (M_T_PROBES) in `cells`: its history H_t emptied, or
+    rolled across the envs by a random nonzero shift at every step (each env reads another episode's history)."""
+    if "mt_empty" in cells:
+        obs = {**obs, "history_mask": torch.zeros_like(obs["history_mask"])}
+    if "mt_shuffled" in cells:
+        shift = int(torch.randint(1, len(obs["history"]), (), generator=gen))
+        obs = {**obs, **{k: obs[k].roll(shift, 0) for k in ("history", "history_mask")}}
+    return obs
+
+
+def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int]]], max_steps: int = 0, cells=()):
     """Roll `policy` in `env` (start='frame0'; `obs` from its first reset or env.reseed(seed): a second reset would
-    skip clips) and yield each planned episode as the dict `record` builds (RECORDED arrays [T,...], numpy)."""
-    n = env.num_envs
+    skip clips) and yield each planned episode as the dict `record` builds (RECORDED arrays [T,...], numpy).
+    cells: the setting's, whose m_t diagnostics change what the policy reads (history_probe)."""
+    n, gen = env.num_envs, torch.Generator().manual_seed(env.seed) if "mt_shuffled" in cells else None
     k, start = [0] * n, [0] * n  # current episode of each env, and the step it started at
     steps, base, step = [], 0, 0  # steps: per control step, CPU copies of the [N,...] arrays; steps[0] is step `base`
 
@@ -557,7 +601,7 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int]]], max_
             yield from (record(i, step, True) for i in range(n) if k[i] < len(plan[i]) and step > start[i])
             return
         with torch.no_grad():  # not inference_mode: the env keeps the actions in its state, and reseed writes there
-            obs, _, done, info = env.step(policy.act(obs))
+            obs, _, done, info = env.step(policy.act(history_probe(obs, cells, gen)))
         steps.append({**{key: getattr(env, key).detach().to("cpu", torch.float32).clone() for key in RECORDED},
                       **{key: info[key].cpu() for key in ("failed", "time_out", "nan", "pushed")},
                       "psi": {key: v.cpu() for key, v in info["psi"].items()}})
@@ -576,9 +620,10 @@ def evaluate_seed(env, policy, ckpt: dict, path, label: str, setting: Setting, s
     """Restart the setting's env with `seed` (env.reseed), roll the policy and yield (CSV row, recorded episode).
     clips, kinds: name and ssjr.packet_kind of each motion file, in the env's clip order."""
     obs = env.reseed(seed)
-    reads = {"teacher": student.TEACHER_ACTOR_OBS, "student": student.STUDENT_OBS}[ckpt["kind"]]  # its policy's inputs
+    reads = (teacher.actor_obs(teacher.checkpoint_args(path, ckpt, teacher.Args)) if ckpt["kind"] == "teacher"
+             else student.STUDENT_OBS)  # its policy's inputs
     teacher.check_layout(path, ckpt["obs_layout"], env.obs_layout, reads)
-    for rec in run_episodes(env, obs, policy, plan, max_steps):
+    for rec in run_episodes(env, obs, policy, plan, max_steps, setting.cells):
         yield episode_row(rec, label, path, ckpt["kind"], setting, seed, clips[rec["clip"]], kinds[rec["clip"]]), rec
 
 
@@ -665,6 +710,62 @@ def parity(args: Args) -> str:
     return verdict
 
 
+def ridge_r2(x: torch.Tensor, y: torch.Tensor, split: torch.Tensor) -> float:
+    """R² on the rows split == 2 of a ridge regression of y on x fitted on the rows split == 0, its penalty picked
+    on the rows split == 1 (features standardized on the fitted rows)."""
+    fit, val, test = (split == k for k in range(3))
+    x = (x - x[fit].mean(0)) / (x[fit].std(0) + 1e-6)
+    y_mean, gram, eye = y[fit].mean(), x[fit].T @ x[fit], torch.eye(x.shape[1], dtype=x.dtype)
+
+    def r2(w, rows):
+        return float(1 - (y[rows] - y_mean - x[rows] @ w).pow(2).sum() / (y[rows] - y[rows].mean()).pow(2).sum())
+    weights = [torch.linalg.solve(gram + lam * int(fit.sum()) * eye, x[fit].T @ (y[fit] - y_mean))
+               for lam in (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)]
+    return r2(max(weights, key=lambda w: r2(w, val)), test)
+
+
+def probe(args: Args, labels: list[str], setting: Setting, motion) -> dict:
+    """See Args.probe: per checkpoint and psi term, R² from m_t, s_t and H_t; written to probe.md and printed. Rows:
+    steps PROBE_STEPS of each env's first episode (frame 0) per seed; episodes split by env index mod 4 (2 fit, 1 picks
+    the penalty, 1 tests), so no episode is on both sides."""
+    if not setting.dr:
+        raise ssjr.InputError("--settings", "--probe needs a setting with +dr (psi varies over the episodes)")
+    table = {}
+    for path, label in zip(args.ckpt, labels):
+        policy, ckpt = load_policy(path, args.device)
+        actor, rows = policy.actor, {"m_t": [], "s_t": [], "H_t": [], "psi": [], "split": []}
+        with opened_env(ckpt["env_cfg"], setting, [motion], args.num_envs, args.device, args.seeds[0]) as env:
+            split = torch.tensor([(0, 0, 1, 2)[i % 4] for i in range(env.num_envs)], device=env.device)
+            for seed in args.seeds:
+                obs, alive = env.reseed(seed), torch.ones(env.num_envs, dtype=torch.bool, device=env.device)
+                for t in range(PROBE_STEPS[1] + 1):
+                    seen = history_probe(obs, setting.cells, torch.Generator().manual_seed(seed * 1000 + t))
+                    if t >= PROBE_STEPS[0] and alive.any():
+                        with torch.no_grad():
+                            m_t = (actor.hcdr(actor.history_norm(seen["history"]), seen["history_mask"])
+                                   if actor.hcdr is not None else torch.full((env.num_envs, 1), math.nan))
+                        for key, x in (("m_t", m_t), ("s_t", obs["student_proprio"][:, -1, :envs.SPARSE_STATE_DIM]),
+                                       ("H_t", obs["history"].flatten(1)), ("psi", obs["psi"][:, 0]), ("split", split)):
+                            rows[key].append(x[alive].double().cpu())
+                    with torch.no_grad():
+                        obs, _, done, _ = env.step(policy.act(seen))
+                    alive &= ~done
+        data = {k: torch.cat(v) for k, v in rows.items()}
+        table[label] = {name: {src: ridge_r2(data[src], data["psi"][:, j], data["split"])
+                               if data["psi"][:, j].std() > 0 and data[src].isfinite().all() else math.nan
+                               for src in ("m_t", "s_t", "H_t")} for j, name in enumerate(envs.PSI_KEYS)}
+        table[label]["samples"] = len(data["split"])
+    keys = [k for k in envs.PSI_KEYS if any(math.isfinite(t[k]["H_t"]) for t in table.values())]
+    body = [[label, str(t["samples"])] + [" / ".join(f"{t[k][src]:.2f}" for src in ("m_t", "s_t", "H_t"))
+                                          for k in keys] for label, t in table.items()]
+    report = (f"# psi probes: R² (held-out episodes) from m_t / s_t / H_t, {setting.title}, "
+              f"{pathlib.Path(motion).stem}, seeds {list(args.seeds)}, steps {PROBE_STEPS[0]}-{PROBE_STEPS[1]}\n\n"
+              + _md(["Policy", "samples"] + keys, body))
+    ssjr.write_atomic(pathlib.Path(args.out_dir) / "probe.md", lambda tmp: tmp.write_text(report))
+    print(report)
+    return table
+
+
 # --- 6. Main. ---
 def main(args: Args) -> dict:
     from tqdm import tqdm
@@ -683,7 +784,11 @@ def main(args: Args) -> dict:
         return {"parity": parity(args)}
     labels = list(dict.fromkeys(ckpt_labels + onnx_labels))
     checkpoints = [teacher.load_checkpoint(p) for p in args.ckpt]  # every one is checked before the first rollout
-    settings = [parse_setting(t, checkpoints[0]["env_cfg"]["sim"]) for t in args.settings] if checkpoints else []
+    settings = parse_settings(args.settings, checkpoints[0]["env_cfg"]["sim"]) if checkpoints else []
+    if any("mt_shuffled" in s.cells for s in settings) and min(args.num_envs, args.episodes) < 2:
+        raise ssjr.InputError("--num-envs", "mt_shuffled gives each env another env's history: use 2 or more envs")
+    if args.probe:
+        return probe(args, ckpt_labels, settings[0], resolve_motions(args.motions, args.packet_dir)[0])
     deploy_settings = [Setting("deploy" + (f"+drift{v:g}" if v else ""), "mujoco", False, "flat", False, v)
                        for v in args.root_drift_mps] if args.onnx else []
     motion_paths = resolve_motions(args.motions, args.packet_dir)
@@ -720,6 +825,14 @@ def main(args: Args) -> dict:
                              r["episode"]))
     for note in notes:
         warnings.warn(note)
+    grids = group([{"probes": tuple(c for c in s.cells if c not in GRID), "s": s} for s in settings
+                   if set(s.cells) & set(GRID)], "probes")
+    for (probes,), cells in grids.items():  # the primary endpoint: success over the grid (per m_t probe)
+        grid = Setting(":".join(("grid_mean", *probes)), cells[0]["s"].sim, True, "flat", cells[0]["s"].in_domain,
+                       cells=("grid mean", *probes))
+        rows += [{**r, "setting": grid.name, "clip": f"{r['setting']}/{r['clip']}"} for r in rows
+                 if r["setting"] in {c["s"].name for c in cells}]
+        settings.append(grid)
     return write_outputs(args.out_dir, rows, labels, settings, args.alpha, tuple(notes))
 
 

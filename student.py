@@ -116,8 +116,6 @@ class Preset:
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "ff_dim", "head_dim", "terrain_dim", "hcdr_queries", "hcdr_dim",
                "hcdr_layers")  # None in Args: the teacher checkpoint's value
 STUDENT_OBS = ("student_proprio", "student_keypoints", "terrain", "history", "history_mask")  # the student's inputs
-# What the teacher's actor reads to label a state (its critic's observation plays no part in distillation).
-TEACHER_ACTOR_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask")
 
 
 class StudentPolicy(nn.Module):
@@ -221,7 +219,8 @@ def train(args: Args, env=None) -> pathlib.Path:
         env.gen.set_state(rng["env"]["gen"])
     obs = env.reset()
     layout = env.obs_layout
-    teacher.check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, TEACHER_ACTOR_OBS)
+    teacher.check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout,
+                         teacher.actor_obs(teacher.checkpoint_args(args.teacher_ckpt, tckpt, teacher.Args)))
     policy = StudentPolicy(layout, args).to(device)
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=1e-5)
     global_step, iteration = 0, 0

@@ -69,11 +69,15 @@ class Args:
     saved beside the teacher, teacher_ema.pt (kept copies too), to evaluate or distil like it (0: none)"""
     resume: str = ""  # checkpoint of this script to continue (only the budget, device and --keep-every may change)
     run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
-    sim: str = "isaaclab"  # simulator: isaaclab (the paper's training engine), genesis or mujoco (CPU)
+    sim: str = "isaaclab"
+    """simulator: isaaclab (the paper's training engine), mujoco (its CPU twin, the cpu preset's), genesis,
+    genesis_aligned (Genesis at MuJoCo's contact time constant)"""
     motions: str = "data/packets/g1_moves"  # SSJR packet folder or file (the held-out test clips are excluded)
     terrain: str = "mix"  # flat | smooth_slope | rough_slope | mix (paper: 0.5 flat, 0.25 each slope)
     no_dr: bool = False  # the 'w/o DR' ablation: nominal dynamics every episode
     no_hcdr: bool = False  # the 'w/o HCDR' ablation: no history token
+    psi_actor: bool = False
+    """the actor also reads the true psi as a token (an oracle, not HoRD): the headroom any history encoder has"""
     root_velocity: bool = True
     """the actor reads the root's linear velocity (privileged, as in the paper); --no-root-velocity (the cpu preset):
     the bodies' velocities relative to the root's, which encoders and an IMU give, so that a student can follow its
@@ -108,7 +112,7 @@ class Args:
 
 PRESETS = {
     "paper": Args(),
-    "cpu": Args(preset="cpu", sim="genesis", device="cpu", terrain="flat", num_envs=64, root_velocity=False,
+    "cpu": Args(preset="cpu", sim="mujoco", device="cpu", terrain="flat", num_envs=64, root_velocity=False,
                 performance_mode=True, total_env_steps=200_000, num_steps=24, minibatch_size=384, update_epochs=1,
                 actor_lr=1e-4, desired_kl=0.01, critic_lr=3e-4, log_std=-2.0,
                 d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256, terrain_dim=64, critic_dim=256,
@@ -123,7 +127,12 @@ class Preset:
 
 
 # The env keys the teacher reads; their shapes are checked against the checkpoint's observation layout.
-TEACHER_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask", "critic")
+TEACHER_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask", "psi", "critic")
+
+
+def actor_obs(args) -> tuple[str, ...]:
+    """What the teacher's actor reads (to act, and to label a student's states): the critic's input plays no part."""
+    return ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask") + ("psi",) * args.psi_actor
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +230,7 @@ class Agent(nn.Module):
 
     def __init__(self, layout: dict, args):
         super().__init__()
-        self.actor = TokenPolicy(layout, ("proprio", "future"), args, hcdr=not args.no_hcdr)
+        self.actor = TokenPolicy(layout, ("proprio", "future") + ("psi",) * args.psi_actor, args, hcdr=not args.no_hcdr)
         self.critic_norm = RunningNorm(layout["critic"][0])
         self.critic = mlp([layout["critic"][0]] + [args.critic_dim] * 4 + [1])
         self.value_norm = RunningNorm(1) if args.value_norm else None  # statistics of the returns

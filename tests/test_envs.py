@@ -38,7 +38,7 @@ def test_observation_layout_matches_the_documented_table(env):
     p, f, j = 535, 569, len(ssjr.KEYPOINT_NAMES)
     expected = {"proprio": [5, p], "future": [8, f], "ref_dof_pos": [29], "terrain": [121], "history": [16, 93],
                 "history_mask": [16], "student_proprio": [8, 93], "student_keypoints": [12, 3 * j],
-                "critic": [p + f + 121 + len(envs.PSI_KEYS)]}
+                "psi": [1, len(envs.PSI_KEYS)], "critic": [p + f + 121 + len(envs.PSI_KEYS)]}
     assert env.obs_layout == expected
     assert {k: list(v.shape[1:]) for k, v in obs.items()} == expected
     assert not obs["history_mask"].any()  # a fresh episode has no history yet
@@ -111,17 +111,45 @@ def test_psi_differs_across_envs_fixed_in_episode_resampled_at_reset(env):
 
 def test_control_delay_shifts_the_torque_step_by_d_physics_steps(env):
     env.reset()
-    env.psi["delay_steps"][:4] = torch.arange(4.0)
+    delays = [0, 1, 2, 3, 4, 5, 6, 8]  # up to two control periods (envs.MAX_DELAY_STEPS)
+    env.psi["delay_steps"][:] = torch.tensor(delays, dtype=torch.float)
     env.psi["kp_scale"][:] = 1.0
     elbow = ssjr.DOF_NAMES.index("left_elbow_joint")
     hold = env.sim.dof_state()[0].clone()
-    env.last_alpha = hold.clone()
+    env.alpha_line[:] = hold[:, None]  # the targets before: hold the pose
     target = hold.clone()
     target[:, elbow] += 1.0  # a 1 rad step of the PD target: kp 60 -> saturates at the 25 N m effort limit
-    env.step(target)
-    tau = env.substep_tau[:, :4, elbow].abs()  # [substep, env]
-    for d in range(4):
-        assert (tau[:d, d] < 10.0).all() and (tau[d:, d] > 20.0).all(), (d, tau[:, d])
+    tau = []
+    for _ in range(2):  # the new target, held for two control steps: 8 physics steps
+        env.step(target)
+        tau.append(env.substep_tau[:, :, elbow].abs())
+    tau = torch.cat(tau)  # [physics step, env]
+    for i, d in enumerate(delays):
+        assert (tau[:d, i] < 10.0).all() and (tau[d:, i] > 20.0).all(), (d, tau[:, i])
+
+
+def test_contact_time_constant_is_per_episode_on_mujoco_and_one_scene_value_elsewhere(env):
+    obs = env.reset()
+    tc = env.psi["contact_timeconst_s"]
+    assert torch.equal(obs["psi"][:, 0, envs.PSI_KEYS.index("contact_timeconst_s")], tc)  # psi says what runs
+    if not isinstance(env.sim, envs.MuJoCoSim):
+        scene = 0.01 if isinstance(env.sim, envs.GenesisSim) else envs.CONTACT_TIMECONST_S  # Genesis' own default
+        assert env.sim.contact_timeconst_s == pytest.approx(scene) and torch.all(tc == env.sim.contact_timeconst_s)
+        return
+    assert ((tc >= 0.01) & (tc <= 0.03)).all() and len(set(tc.tolist())) == N
+    assert all(np.allclose(m.geom_solref[:, 0], t) for m, t in zip(env.sim.models, tc.tolist()))
+    # softer contact, deeper penetration: one standing state on every env, the feet sink further at 0.04 s
+    ids = all_ids(env)
+    env.sim.set_contact_timeconst(ids, torch.tensor([0.01, 0.04] * (N // 2)))
+    ref = {k: v[:1].expand(N, *v.shape[1:]) for k, v in env.reference().items()}
+    zeros = torch.zeros(N, 3)
+    env.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], zeros, zeros, ref["dof_pos"],
+                        torch.zeros(N, 29))
+    for _ in range(20):
+        env.sim.step(torch.zeros(N, 29))
+    depth_m = torch.tensor([-min(d.contact.dist[:d.ncon], default=0.0) for d in env.sim.datas])
+    assert (depth_m[1::2] > 2 * depth_m[0::2]).all() and (depth_m[0::2] > 0).all(), depth_m
+    env.reset()
 
 
 def test_gravity_and_mass_reach_the_engine(env):
@@ -253,7 +281,8 @@ def test_evaluation_episodes_draw_psi_pushes_and_noise_from_seed_clip_and_episod
     (psi_a, push_a, noise_a, kp_a), (psi_b, push_b, noise_b, kp_b) = draws
     for k in envs.PSI_KEYS:
         assert torch.equal(psi_a[k], psi_b[k]), k
-        assert k == "delay_steps" or len(set(psi_a[k].tolist())) == env.num_envs, k  # one draw per episode
+        one_value = k == "delay_steps" or k == "contact_timeconst_s" and env.sim.contact_timeconst_s is not None
+        assert one_value or len(set(psi_a[k].tolist())) == env.num_envs, k  # one draw per episode
     assert torch.equal(push_a, push_b) and torch.equal(kp_a, kp_b)
     assert torch.allclose(noise_a, noise_b, atol=1e-4)  # the same noise on other states (float32 rounding)
     assert noise_a[:, :, 29:58].std() > 0.3  # joint-velocity noise, 0.5 rad/s

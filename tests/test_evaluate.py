@@ -289,6 +289,16 @@ def test_parse_setting():
                 "genesis+0.1"):
         with pytest.raises(ValueError, match="bad setting"):
             ev.parse_setting(bad, "isaaclab")
+    # the grid of unseen dynamics and the m_t diagnostics: +dr cells, in order; `grid` is every cell in domain
+    s = ev.parse_setting("mujoco+dr:delay8:mt_shuffled", "mujoco")
+    assert (s.name, s.cells, s.title) == ("mujoco+dr:delay8:mt_shuffled", ("delay8", "mt_shuffled"),
+                                          "MuJoCo+DR delay8 mt_shuffled (ID)")
+    assert [s.name for s in ev.parse_settings(["grid:mt_empty", "genesis_aligned"], "mujoco")] == [
+        f"mujoco+dr:{c}:mt_empty" for c in ev.GRID] + ["genesis_aligned"]
+    for bad in ("mujoco:delay8", "mujoco+noise:delay8", "mujoco+dr:delay7", "mujoco+dr:mt_empty:mt_empty",
+                "isaaclab+dr:contact0.04"):
+        with pytest.raises(ValueError, match="bad cells"):
+            ev.parse_setting(bad, "mujoco")
 
 
 def test_bad_flags_and_checkpoints_are_input_errors(tmp_path):
@@ -607,13 +617,17 @@ def test_opened_env_is_the_checkpoint_env_cfg_with_the_setting_overrides(monkeyp
     cfg = {"sim": "isaaclab", "motions": "data/packets/g1_moves", "terrain": "mix", "dr": "default", "start": "random"}
     for token, dr in (("zero_shot+dr@rough_slope", envs.DR()), ("in_domain", None),
                       ("genesis+noise", envs.DR.noise_only()),
-                      ("genesis+noise0.3", dataclasses.replace(envs.DR.noise_only(), noise_scale=0.3))):
+                      ("genesis+noise0.3", dataclasses.replace(envs.DR.noise_only(), noise_scale=0.3)),
+                      ("mujoco+dr:delay5-6:mt_empty", dataclasses.replace(envs.DR(), delay_steps=(5, 6))),
+                      ("mujoco+dr:contact0.04", dataclasses.replace(envs.DR(), contact_timeconst_s=(0.04, 0.04))),
+                      ("genesis+dr:contact0.04", dataclasses.replace(envs.DR(), contact_timeconst_s=(0.04, 0.04)))):
         setting = ev.parse_setting(token, "isaaclab")
         with ev.opened_env(cfg, setting, [pathlib.Path("x.npz")], 3, "cpu", 7) as env:
             assert not env.closed
+        contact = 0.04 if token == "genesis+dr:contact0.04" else None  # Genesis: one value per scene
         assert made[-1] == ({"sim": setting.sim, "motions": ["x.npz"], "terrain": setting.terrain, "dr": dr,
                              "num_envs": 3, "device": "cpu", "seed": 7, "start": "frame0", "exclude_test": False,
-                             "termination": "mean"}, env)
+                             "termination": "mean", "contact_timeconst_s": contact}, env)
         assert env.closed
     with pytest.raises(RuntimeError, match="boom"), ev.opened_env(cfg, setting, [], 3, "cpu", 7):
         raise RuntimeError("boom")

@@ -21,7 +21,7 @@ from conftest import read_log  # noqa: E402
 
 J = len(ssjr.KEYPOINT_NAMES)
 LAYOUT = {"proprio": [5, 535], "future": [8, 569], "ref_dof_pos": [29], "terrain": [121], "history": [16, 93],
-          "history_mask": [16], "student_proprio": [8, 93], "student_keypoints": [12, 3 * J],
+          "history_mask": [16], "student_proprio": [8, 93], "student_keypoints": [12, 3 * J], "psi": [1, 11],
           "critic": [535 + 8 * 569 + 121 + len(envs.PSI_KEYS)]}  # the envs.py observation table
 TEACHER_CPU = teacher.PRESETS["cpu"]
 CPU = dataclasses.replace(student.PRESETS["cpu"], **{k: getattr(TEACHER_CPU, k) for k in student.MODEL_SIZES})

@@ -10,7 +10,7 @@ import teacher
 from conftest import read_log
 
 LAYOUT = {"proprio": [5, 535], "future": [8, 569], "ref_dof_pos": [29], "terrain": [121], "history": [16, 93],
-          "history_mask": [16], "critic": [1235]}
+          "history_mask": [16], "psi": [1, 11], "critic": [1236]}
 
 
 def small_args(**kw):
@@ -132,7 +132,7 @@ def test_real_run_learns_resumes_and_is_deterministic(train_packet, tmp_path):
         assert log_b[k][0] == log_a[k][0], k
 
     policy, ckpt = teacher.load_policy(run_a)
-    assert ckpt["global_step"] == 2 * per_it and ckpt["obs_layout"]["critic"] == [1235]
+    assert ckpt["global_step"] == 2 * per_it and ckpt["obs_layout"]["critic"] == [1236]
     obs = fake_obs(4, torch.Generator().manual_seed(1))
     again = teacher.Agent(ckpt["obs_layout"], teacher.Args(**ckpt["args"]))
     again.load_state_dict(ckpt["model"])
