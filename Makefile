@@ -12,7 +12,7 @@ demo: $(CLIP)
 	$(TORCHRUN) student.py --preset cpu --teacher-ckpt runs/demo_teacher/teacher.pt --total-env-steps 30720 \
 	    --run-dir runs/demo_student
 	$(PY) evaluate.py --ckpt models/student.pt models/teacher.pt --labels student teacher --motions $(CLIP) \
-	    --settings genesis genesis+dr --seeds 0 --episodes 16 --num-envs 16 --out-dir results/demo \
+	    --settings genesis_aligned genesis_aligned+dr --seeds 0 --episodes 16 --num-envs 16 --out-dir results/demo \
 	    --render results/demo/student.gif
 	@echo "demo done: runs/demo_teacher, runs/demo_student (30k steps: the pipeline runs; they fall), results/demo (the shipped models: table.md, student.gif)"
 

@@ -2,6 +2,7 @@
 loop (on a scripted fake env) and, marked slow, a real short evaluation on both engines."""
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -505,7 +506,12 @@ class ScriptedEnv:
         self.clip = torch.arange(n) % len(self.lengths)
         self.t = torch.zeros(n, dtype=torch.long)
         self.k = torch.zeros(n, dtype=torch.long)
-        return {"proprio": torch.zeros(n, 5, 3)}
+        return self.obs()
+
+    def obs(self):
+        n = self.num_envs
+        return {"proprio": torch.zeros(n, 5, 3), "history": torch.zeros(n, 16, 93),
+                "history_mask": torch.ones(n, 16, dtype=torch.bool)}
 
     def close(self):
         assert not self.closed, "closed twice"
@@ -534,7 +540,7 @@ class ScriptedEnv:
             self.clip[i] = (self.clip[i] + n) % len(self.lengths)
             self.t[i] = 0
             self.k[i] += 1
-        return {"proprio": torch.zeros(n, 5, 3)}, torch.zeros(n), done, info
+        return self.obs(), torch.zeros(n), done, info
 
 
 class ZeroPolicy:
@@ -695,6 +701,46 @@ def test_main_end_to_end_on_scripted_envs(tmp_path, monkeypatch):
     lo, hi = (f"{100 * x:.1f}" for x in ev.wilson(12, 12))
     assert f"| HoRD | 100.0 [{lo}, {hi}] [12/12] |" in report.split("## Push recovery")[1]  # all last >= 2 steps
     assert "cut short" not in report
+
+
+def test_the_grid_mean_pools_its_cells_per_m_t_probe(tmp_path, monkeypatch):
+    """Grid cells get a `grid_mean` setting (one per m_t probe): its episodes are the cells' episodes, kept apart."""
+    args, built = scripted_main(tmp_path, monkeypatch)
+    cells = ("in_domain+dr:delay8", "in_domain+dr:mass0.8", "in_domain+dr:delay8:mt_empty")
+    summary = ev.main(dataclasses.replace(args, settings=cells))
+    names = [s["name"] for s in summary["settings"]]
+    assert names == ["isaaclab+dr:delay8", "isaaclab+dr:mass0.8", "isaaclab+dr:delay8:mt_empty", "grid_mean",
+                     "grid_mean:mt_empty"]
+    ablation = summary["results"]["HoRD w/o HCDR"]
+    assert ablation["grid_mean"]["success"]["n"] == 24 and ablation["grid_mean:mt_empty"]["success"]["n"] == 12
+    per_cell = [ablation[c]["success"]["mean"] for c in names[:2]]
+    assert ablation["grid_mean"]["success"]["mean"] == pytest.approx(sum(per_cell) / 2) and min(per_cell) < 100.0
+    paired = [c for c in summary["comparisons"]["robot"] if c["setting"] == "grid_mean" and c["metric"] == "success"]
+    assert paired[0]["n"] == 24  # the cells' episodes stay distinct pairs (clip keys carry the cell)
+    with open(tmp_path / "out" / "episodes.csv") as f:  # checkpoints x cells x seeds x clips x episodes, once each
+        assert sorted({r["setting"] for r in csv.DictReader(f)}) == sorted(names[:3])
+    assert len((tmp_path / "out" / "episodes.csv").read_text().splitlines()) == 1 + 2 * 3 * 2 * 3 * 2
+
+
+def test_history_probes_empty_or_roll_the_history_across_the_envs():
+    obs = {"history": torch.arange(5.0)[:, None, None].expand(5, 16, 93), "history_mask": torch.ones(5, 16, dtype=bool),
+           "proprio": torch.zeros(5, 5, 3)}
+    assert ev.history_probe(obs, (), None) is obs
+    empty = ev.history_probe(obs, ("delay8", "mt_empty"), None)
+    assert not empty["history_mask"].any() and empty["history"] is obs["history"] and empty["proprio"] is obs["proprio"]
+    for seed in range(20):  # a nonzero roll: every env reads another env's history, the mask moves with it
+        rolled = ev.history_probe(obs, ("mt_shuffled",), torch.Generator().manual_seed(seed))
+        source = rolled["history"][:, 0, 0].long()
+        assert sorted(source.tolist()) == list(range(5)) and (source != torch.arange(5)).all()
+
+
+def test_ridge_probe_r2_recovers_a_linear_term_and_not_noise():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2000, 40, generator=gen, dtype=torch.float64)
+    split = torch.arange(2000) % 4 % 3  # 0, 1, 2, 0: fit, penalty, test
+    y = x[:, 3] - 0.5 * x[:, 7] + 0.1 * torch.randn(2000, generator=gen, dtype=torch.float64)
+    assert ev.ridge_r2(x, y, split) > 0.95
+    assert ev.ridge_r2(x, torch.randn(2000, generator=gen, dtype=torch.float64), split) < 0.05
 
 
 def test_main_notes_the_episodes_max_steps_cut_off(tmp_path, monkeypatch):

@@ -52,6 +52,17 @@ def test_policy_shapes_and_residual_action():
     assert no_hcdr.actor.hcdr is None and no_hcdr.dist(obs).mean.shape == (6, 29)
 
 
+def test_the_psi_reading_teacher_acts_on_psi_and_the_others_do_not():
+    torch.manual_seed(0)
+    obs, other = fake_obs(4), fake_obs(4)
+    for psi_actor in (True, False):
+        agent = teacher.Agent(LAYOUT, small_args(psi_actor=psi_actor))
+        torch.nn.init.normal_(agent.actor.head[-1].weight, std=0.1)
+        moved = agent.act({**obs, "psi": other["psi"]}) - agent.act(obs)
+        assert (moved.abs().max() > 1e-3) == psi_actor
+        assert ("psi" in teacher.actor_obs(small_args(psi_actor=psi_actor))) == psi_actor
+
+
 def test_ppo_loss_on_a_toy_batch():
     torch.manual_seed(0)
     agent = teacher.Agent(LAYOUT, small_args())
