@@ -12,9 +12,10 @@ for Genesis); +dr = envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise
 (nominal dynamics, no pushes, the sensor noise alone: the nominal setting as a rate); k: every sensor-noise std times k
 (`genesis+noise0.1`: a tenth, the same draws scaled; envs.DR.noise_scale); terrain = flat | smooth_slope | rough_slope.
 Cells (with +dr): a GRID cell, one psi term beyond its training range (`mujoco+dr:delay5-6`; `grid`: every cell on the
-in-domain engine, and their mean), and the m_t diagnostics M_T_PROBES (`mujoco+dr:mt_shuffled`: does the policy use
-its history?). --onnx adds the settings deploy[+drift<v>]: the exported student played by deploy.py in MuJoCo from its
-ONNX contract alone. --probe: a linear probe of psi from m_t instead of an evaluation.
+in-domain engine, `genesis+dr:grid` on Genesis, and their mean), and the m_t diagnostics M_T_PROBES
+(`mujoco+dr:mt_shuffled`: does the policy use its history?). --onnx adds the settings deploy[+drift<v>]: the exported
+student played by deploy.py in MuJoCo from its ONNX contract alone. --probe: a linear probe of psi from m_t instead of
+an evaluation.
 
 Episodes. Under +dr (and +noise) every episode draws its own psi (body terms included), tile, pushes and sensor noise
 from a stream seeded by (seed, clip, episode) alone (envs.START_MODES): the episodes are independent samples, and those
@@ -521,9 +522,14 @@ def parse_setting(token: str, train_sim: str) -> Setting:
 
 
 def parse_settings(tokens, train_sim: str) -> list[Setting]:
-    """--settings: `grid[:<probe>]` stands for every GRID cell on the in-domain engine (+dr), with that m_t probe."""
-    return [parse_setting(t, train_sim) for token in tokens for t in (
-        [f"in_domain+dr:{c}{token[4:]}" for c in GRID] if token.lower().partition(":")[0] == "grid" else [token])]
+    """--settings: the cell `grid` stands for every GRID cell (`mujoco+dr:grid:mt_shuffled`); `grid` alone for
+    `in_domain+dr:grid`."""
+    out = []
+    for token in (t.lower() for t in tokens):
+        head, grid, tail = ("in_domain+dr:" + token if token.partition(":")[0] == "grid" else token).partition(":grid")
+        out += [parse_setting(f"{head}:{c}{tail}", train_sim) for c in GRID] if grid else [
+            parse_setting(token, train_sim)]
+    return out
 
 
 def motion_name(clip: str) -> str:

@@ -294,8 +294,8 @@ def test_parse_setting():
     s = ev.parse_setting("mujoco+dr:delay8:mt_shuffled", "mujoco")
     assert (s.name, s.cells, s.title) == ("mujoco+dr:delay8:mt_shuffled", ("delay8", "mt_shuffled"),
                                           "MuJoCo+DR delay8 mt_shuffled (ID)")
-    assert [s.name for s in ev.parse_settings(["grid:mt_empty", "genesis_aligned"], "mujoco")] == [
-        f"mujoco+dr:{c}:mt_empty" for c in ev.GRID] + ["genesis_aligned"]
+    assert [s.name for s in ev.parse_settings(["grid:mt_empty", "genesis_aligned", "Genesis+dr:grid"], "mujoco")] == [
+        f"mujoco+dr:{c}:mt_empty" for c in ev.GRID] + ["genesis_aligned"] + [f"genesis+dr:{c}" for c in ev.GRID]
     for bad in ("mujoco:delay8", "mujoco+noise:delay8", "mujoco+dr:delay7", "mujoco+dr:mt_empty:mt_empty",
                 "isaaclab+dr:contact0.04"):
         with pytest.raises(ValueError, match="bad cells"):
