@@ -854,7 +854,7 @@ class ReferencePolicy:
 @pytest.mark.parametrize("sim", ["genesis", "isaaclab"])
 def test_real_rollout_metrics_on_both_engines(tmp_path, sim, handsup_packets, keypoint_command):
     """One env for the setting, reseeded for seeds 0, 1 and 0 again; a robot clip and a human keypoint command."""
-    ckpt = {"kind": "teacher", "env_cfg": {"sim": "isaaclab"}}
+    ckpt = {"kind": "teacher", "args": {}, "env_cfg": {"sim": "isaaclab"}}
     setting = ev.parse_setting(f"{sim}+dr", "isaaclab")
     motions = [handsup_packets[0], keypoint_command]
     clips, kinds = [p.stem for p in motions], [ssjr.packet_kind(p) for p in motions]
