@@ -163,7 +163,7 @@ def test_real_run_learns_resumes_and_is_deterministic(train_packet, tmp_path):
 
 @pytest.mark.slow
 def test_tracking_reward_improves_in_a_short_real_run(train_packet, tmp_path):
-    """The cpu preset as users run it (torchrun, 2 ranks x 64 Genesis envs, performance mode) on one clip for 38
+    """The cpu preset as users run it (torchrun, 2 ranks x 64 MuJoCo envs) on one clip for 38
     iterations (117k env-steps, ~3 minutes here): the mean tracking reward per step and the mean episode return of
     iterations 31-38 beat those of iterations 3-10 (iterations 1-2 only see the short episodes that ended first). The
     effect seen on this schedule is reward ~0.89 -> ~0.92 and return x1.07-1.10; the margins (+0.01, x1.04) are under
