@@ -90,6 +90,7 @@ class Args:
     vf_coef: float = 1.0  # value loss weight
     desired_kl: float = 0.0
     """> 0: before each actor step, scale the lr by 1/1.5 (KL > 2x this) or 1.5 (KL < this/2) (rsl_rl); 0: fixed"""
+    actor_lr_max: float = 1e-3  # the ceiling of that adaptive lr (rsl_rl: 1e-2)
     log_std: float = -2.9  # fixed log standard deviation of the Gaussian policy
     action_scale: float = 1.0  # alpha = q_ref(t+1) + action_scale * a (rad)
     d_model: int = 512  # transformer width
@@ -584,7 +585,7 @@ def main(args: Args) -> pathlib.Path:
                             if kl > 2.0 * args.desired_kl:
                                 group["lr"] = max(group["lr"] / 1.5, 1e-6)
                             elif kl < 0.5 * args.desired_kl:
-                                group["lr"] = min(group["lr"] * 1.5, 1e-3)
+                                group["lr"] = min(group["lr"] * 1.5, args.actor_lr_max)
                     loss = pg_loss + args.vf_coef * v_loss
                     actor_opt.zero_grad()
                     critic_opt.zero_grad()
