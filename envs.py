@@ -668,7 +668,8 @@ class MuJoCoSim(EngineSim):
         ids = {name: mujoco.mj_name2id(base, mujoco.mjtObj.mjOBJ_BODY, name) for name in ssjr.BODY_NAMES}
         self.bodies = np.array([ids[name] for name in ssjr.BODY_NAMES])
         self.pelvis, self.torso = ids["pelvis"], ids["torso_link"]  # pelvis: the free base, root of the robot's tree
-        assert [base.joint(i).name for i in range(1, 30)] == list(ssjr.DOF_NAMES)  # qpos 7.., qvel 6.. in our order
+        # qpos 7.., qvel 6.. in our order
+        assert [base.joint(i + 1).name for i in range(ssjr.NUM_DOF)] == list(ssjr.DOF_NAMES)
         self.feet = np.flatnonzero(np.isin(base.geom_bodyid, [ids[f] for f in FEET]))
         self.default_body_mass_kg = self._t(base.body_mass[self.bodies]).expand(num_envs, -1).clone()
         self._default_inertia, self._default_torso_com = base.body_inertia.copy(), base.body_ipos[self.torso].copy()

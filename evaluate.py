@@ -78,9 +78,9 @@ import tyro
 from scipy import stats
 
 import envs
+import model
 import ssjr
 import student
-import teacher
 
 SUCCESS_THRESHOLD_M = 0.5  # paper: an episode fails once the global translation error exceeds 0.5 m
 REWARD_C = {"dv": 0.002, "kb": 10.0, "lr": 0.2, "rv": 0.5, "rav": 0.1}  # c of exp(-c * err); ProtoMotions' values
@@ -549,8 +549,9 @@ def resolve_motions(motions: str, packet_dir: str) -> list[pathlib.Path]:
 
 
 def load_policy(path, device: str):
-    """(policy, checkpoint): teacher.load_policy or student.load_policy, by the checkpoint's kind."""
-    return (teacher if teacher.load_checkpoint(path)["kind"] == "teacher" else student).load_policy(path, device)
+    """(policy, checkpoint): model.load_teacher or student.load_policy, by the checkpoint's kind."""
+    teacher = model.load_checkpoint(path)["kind"] == "teacher"
+    return (model.load_teacher if teacher else student.load_policy)(path, device)
 
 
 def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path], num_envs: int, device: str,
@@ -626,9 +627,8 @@ def evaluate_seed(env, policy, ckpt: dict, path, label: str, setting: Setting, s
     """Restart the setting's env with `seed` (env.reseed), roll the policy and yield (CSV row, recorded episode).
     clips, kinds: name and ssjr.packet_kind of each motion file, in the env's clip order."""
     obs = env.reseed(seed)
-    reads = (teacher.actor_obs(teacher.checkpoint_args(path, ckpt, teacher.Args)) if ckpt["kind"] == "teacher"
-             else student.STUDENT_OBS)  # its policy's inputs
-    teacher.check_layout(path, ckpt["obs_layout"], env.obs_layout, reads)
+    reads = policy.actor_obs if ckpt["kind"] == "teacher" else student.STUDENT_OBS  # its policy's inputs
+    model.check_layout(path, ckpt["obs_layout"], env.obs_layout, reads)
     for rec in run_episodes(env, obs, policy, plan, max_steps, setting.cells):
         yield episode_row(rec, label, path, ckpt["kind"], setting, seed, clips[rec["clip"]], kinds[rec["clip"]]), rec
 
@@ -789,7 +789,7 @@ def main(args: Args) -> dict:
     if args.parity:
         return {"parity": parity(args)}
     labels = list(dict.fromkeys(ckpt_labels + onnx_labels))
-    checkpoints = [teacher.load_checkpoint(p) for p in args.ckpt]  # every one is checked before the first rollout
+    checkpoints = [model.load_checkpoint(p) for p in args.ckpt]  # every one is checked before the first rollout
     settings = parse_settings(args.settings, checkpoints[0]["env_cfg"]["sim"]) if checkpoints else []
     if any("mt_shuffled" in s.cells for s in settings) and min(args.num_envs, args.episodes) < 2:
         raise ssjr.InputError("--num-envs", "mt_shuffled gives each env another env's history: use 2 or more envs")

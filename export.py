@@ -60,11 +60,21 @@ DEPLOY_INPUTS = {
 DEPLOY_CONTRACT = {
     "physics_dt_s": envs.PHYSICS_DT_S, "decimation": envs.DECIMATION,
     "pd_law": "at every physics step: tau = clip(kp (alpha - q) - kd qdot, -effort_limit_nm, effort_limit_nm) with q, "
-              "qdot read at that step (kp N m/rad, kd N m s/rad); alpha held for the decimation steps of the control "
-              "step; trained with 0-3 physics steps (0-15 ms) of delay before alpha reaches the motors (alpha_(t-1) "
-              "meanwhile), kp and kd +-10 %",
+              "qdot read at that step (kp N m/rad, kd N m s/rad, effort_limit_nm N m: lists in dof_names order); alpha "
+              "held for the decimation steps of the control step",
+    "delay": f"trained with {envs.DR.delay_steps[0]}-{envs.DR.delay_steps[1]} physics steps "
+             f"({1000 * envs.DR.delay_steps[1] * envs.PHYSICS_DT_S:.0f} ms at most) of delay before alpha "
+             f"reaches the motors (alpha_(t-1) meanwhile) and kp, kd scaled by U{list(envs.DR.kp_scale)}: a robot's "
+             f"own latency should fall in that range; deploy.py applies alpha at once",
+    "clipping": "none: training applies alpha as the policy outputs it, even outside the joint ranges (the joints' "
+                "limits in the scene stop them); only the torque is clipped, to effort_limit_nm. A robot's safety "
+                "clip of alpha changes what the policy was trained on; record the alpha actually sent (proprio_rows)",
+    "training_engine": "env_cfg's sim (its contact and friction: envs.py's engine table); ground friction is the "
+                       f"feet's (max of the pair), U{list(envs.DR.friction)} in training; MuJoCo contact time "
+                       f"constant U{list(envs.DR.contact_timeconst_s)} s",
     "joints": "q, qdot: the hinge angles of g1_scene.xml's joints in dof_names order (its zero pose and axis signs)",
-    "episode_start": "the robot at the motion's frame-0 state, control step t = 0 there; tick k of the command is the "
+    "episode_start": "the robot at the motion's frame-0 state (root pose and velocities, joint positions and "
+                     "velocities, all from the motion), control step t = 0 there; tick k of the command is the "
                      "motion at time k * control_dt_s; the episode ends after the step that reaches the last tick",
     "command_frame": "keypoints_w and the root pose share one world frame (z up, floor at z = 0): the training env "
                      "shifts the clip horizontally so that its frame-0 pelvis is where the robot starts (on uneven "
@@ -144,6 +154,7 @@ def export(args: Args) -> pathlib.Path:
                 "contract": DEPLOY_CONTRACT, "dof_names": list(ssjr.DOF_NAMES), "body_names": list(ssjr.BODY_NAMES),
                 "keypoint_names": list(ssjr.KEYPOINT_NAMES),
                 "control_dt_s": envs.CONTROL_DT_S, "kp": kp.tolist(), "kd": kd.tolist(),
+                "terrain_points": len(envs.SCAN_XY_M), "failure_m": envs.TERMINATION_ERR_M,
                 "effort_limit_nm": limit.tolist(), "env_cfg": ckpt["env_cfg"], "global_step": ckpt["global_step"],
                 "source_ckpt": str(args.ckpt)}
         for k, v in meta.items():

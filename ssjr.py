@@ -248,7 +248,7 @@ class G1Kinematics:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """root_pos [...,3], root_quat [...,4] wxyz, dof_pos [...,29] -> body_pos [...,B,3], body_quat [...,B,4]."""
         batch = torch.broadcast_shapes(root_pos.shape[:-1], root_quat.shape[:-1], dof_pos.shape[:-1])
-        local = self.local_rot(dof_pos.expand(batch + (29,)))
+        local = self.local_rot(dof_pos.expand(batch + (NUM_DOF,)))
         body_pos, body_quat = [root_pos.expand(batch + (3,))], [quat_normalize(root_quat).expand(batch + (4,))]
         for i, p in enumerate(self.parents[1:], 1):
             body_pos.append(body_pos[p] + quat_apply(body_quat[p], self.offset_pos[i]))
@@ -289,8 +289,8 @@ class RobotMotion:
     notes: list[str] = field(default_factory=list)
 
 
-WRIST_DOF_IDS = (19, 20, 21, 26, 27, 28)  # the 6 wrist joints a 23-DoF G1 lacks
-DOF23_IDS = tuple(i for i in range(29) if i not in WRIST_DOF_IDS)
+WRIST_DOF_IDS = tuple(i for i, n in enumerate(DOF_NAMES) if "wrist" in n)  # the 6 wrist joints a 23-DoF G1 lacks
+DOF23_IDS = tuple(i for i in range(NUM_DOF) if i not in WRIST_DOF_IDS)
 # The human joints a mocap source must provide to become SSJR keypoint commands.
 HUMAN_JOINTS = ("pelvis", "left_hip", "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle",
                 "left_shoulder", "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist")
@@ -344,12 +344,12 @@ def _robot_motion(path: pathlib.Path, name: str, fps: float, root_pos, root_quat
                   ) -> RobotMotion:
     """The common tail of the robot loaders: float64 arrays, 23-DoF data mapped to 29 (wrists 0) when allowed."""
     dof, notes = np.asarray(dof, np.float64), []
-    if dof.shape[1] not in (23, 29):
-        raise InputError(path, f"expected 29 (or 23) joint angles per frame, found {dof.shape[1]}")
-    if dof.shape[1] == 23:
+    if dof.shape[1] not in (len(DOF23_IDS), NUM_DOF):
+        raise InputError(path, f"expected {NUM_DOF} (or {len(DOF23_IDS)}) joint angles per frame, found {dof.shape[1]}")
+    if dof.shape[1] == len(DOF23_IDS):
         if not allow_23dof:
             raise InputError(path, "23-DoF data where 29 are required; pass --allow-23dof to map it (wrists set to 0)")
-        full = np.zeros((len(dof), 29))
+        full = np.zeros((len(dof), NUM_DOF))
         full[:, DOF23_IDS] = dof
         dof = full
         notes.append("23-DoF source: the 6 wrist joints are set to 0")
@@ -360,7 +360,7 @@ def _robot_motion(path: pathlib.Path, name: str, fps: float, root_pos, root_quat
 def load_g1_csv(path: pathlib.Path, fps: float | None = None, allow_23dof: bool = False) -> list[RobotMotion]:
     """Retargeted G1 CSV (G1 Moves, Unitree LAFAN1-G1): no header, per row root xyz, root quat xyzw, 29 joints."""
     data = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)  # not numeric: load_motions' InputError
-    if data.shape[1] not in (36, 30):
+    if data.shape[1] not in (7 + NUM_DOF, 7 + len(DOF23_IDS)):
         raise InputError(path, f"wrong column count {data.shape[1]}: expected 36 (root xyz, quat xyzw, 29 joints) or "
                                 f"30 (23 joints)")
     manifest_fps = None  # G1 Moves ships manifest.json (in a parent folder) with each clip's fps; else --fps
@@ -386,7 +386,7 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
         names = [str(n) for n in d.get("body_names", ["pelvis"])]
         root = names.index("pelvis") if "pelvis" in names else 0
         root_pos, root_quat, dof = d["body_pos_w"][:, root], d["body_quat_w"][:, root], joint_pos
-    if "joint_names" in d and dof.shape[1] == 29:  # without names, joints are taken to be in MuJoCo order
+    if "joint_names" in d and dof.shape[1] == NUM_DOF:  # without names, joints are taken to be in MuJoCo order
         names = [str(n) for n in d["joint_names"]]
         dof = dof[:, [names.index(n) for n in DOF_NAMES]]
     return [_robot_motion(path, path.stem, fps, root_pos, root_quat, dof, allow_23dof)]
@@ -662,7 +662,7 @@ def human_to_g1_keypoints(kin: G1Kinematics, joints: np.ndarray) -> tuple[np.nda
     limb directions, take the G1's own offsets and bone lengths (zero pose), scale the root path by the leg-length
     ratio, put the feet on the ground. -> keypoints_w [T,J,3] (KEYPOINT_NAMES), root pos [T,3], heading quat [T,4]."""
     h = {n: torch.tensor(joints[:, k], dtype=torch.float32) for k, n in enumerate(HUMAN_JOINTS)}
-    zero_pos, zero_quat = kin.forward(kin.default_root_pos, torch.tensor([1.0, 0, 0, 0]), torch.zeros(29))
+    zero_pos, zero_quat = kin.forward(kin.default_root_pos, torch.tensor([1.0, 0, 0, 0]), torch.zeros(NUM_DOF))
     g = {n: zero_pos[BODY_NAMES.index(n)] - zero_pos[0] for n in BODY_NAMES}  # G1 zero pose, pelvis frame = world
     unit = lambda v: v / v.norm(dim=-1, keepdim=True).clamp_min(1e-9)  # noqa: E731
     length = lambda a, b: (g[a] - g[b]).norm()  # noqa: E731
@@ -839,7 +839,7 @@ def write_segments(m: RobotMotion | HumanMotion, args: Convert, report: ClipRepo
 def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: ClipReport) -> None:
     """Clean, resample, segment, FK and check one robot clip; write its packets."""
     shapes = (m.root_pos.shape, m.root_quat.shape, m.dof_pos.shape)
-    if shapes != ((len(m.dof_pos), 3), (len(m.dof_pos), 4), (len(m.dof_pos), 29)):
+    if shapes != ((len(m.dof_pos), 3), (len(m.dof_pos), 4), (len(m.dof_pos), NUM_DOF)):
         raise InputError(_where(m), f"root pos / root quat / dof shapes {shapes} do not match [T,3] [T,4] [T,29]")
     _check_finite(_where(m), root_pos=m.root_pos, root_quat=m.root_quat, dof_pos=m.dof_pos)
     quat = clean_quaternions(_where(m), m.root_quat)

@@ -10,7 +10,7 @@ Student. alpha_2 = f2(m_t, s_sparse, g_t, Y_sparse) sees only what the robot has
 positions and velocities, IMU angular velocity and projected gravity, last PD target; steps t-7..t), the terrain context
 g_t, the SSJR sparse keypoint command Y_sparse = `student_keypoints` (root-relative keypoints at t-7..t+4: 8 past + 4
 future steps; ssjr.keypoint_command) and m_t, the HCDR token over the (s, alpha) history H_t. The backbone is the
-teacher's (teacher.TokenPolicy, the teacher's sizes unless overridden). The student cannot see the reference joint
+teacher's (model.TokenPolicy, the teacher's sizes unless overridden). The student cannot see the reference joint
 positions the teacher's residual action is centred on, so it outputs the absolute PD target alpha.
 
 Online DAgger. Each iteration the student drives `num_envs` x `num_steps` control steps, its PD targets perturbed by
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import pathlib
 import signal
 import sys
@@ -49,7 +50,7 @@ import tyro
 
 import envs
 import ssjr
-import teacher  # the backbone both stages share (TokenPolicy) and the checkpoint readers
+import model  # the network both stages share (TokenPolicy), the teacher's (Agent) and the checkpoint readers
 from ssjr import InputError
 
 
@@ -123,8 +124,7 @@ class StudentPolicy(nn.Module):
 
     def __init__(self, layout: dict, args: Args):
         super().__init__()
-        self.actor = teacher.TokenPolicy(layout, ("student_proprio", "student_keypoints"), args,
-                                         hcdr=args.hcdr != "none")
+        self.actor = model.TokenPolicy(layout, ("student_proprio", "student_keypoints"), args, hcdr=args.hcdr != "none")
         self.register_buffer("alpha_0", torch.zeros(ssjr.NUM_DOF))  # nominal pose (see the module docstring)
         if args.hcdr == "teacher":  # the teacher's HCDR (share_teacher_hcdr), frozen with its history normalizer
             self.actor.hcdr.requires_grad_(False)
@@ -139,9 +139,9 @@ class StudentPolicy(nn.Module):
         return self(obs)
 
 
-def share_teacher_hcdr(policy: StudentPolicy, teacher_agent, path):
+def share_teacher_hcdr(policy: StudentPolicy, teacher, path):
     """The student's HCDR and history normalizer := the teacher's (frozen by StudentPolicy for --hcdr teacher)."""
-    src, dst = teacher_agent.actor, policy.actor
+    src, dst = teacher.actor, policy.actor
     if src.hcdr is None:
         raise InputError(path, "the teacher has no HCDR to share: use the student's --hcdr scratch or none")
     try:
@@ -173,7 +173,7 @@ def dagger_update(policy: nn.Module, optimizer, b_obs: dict, b_labels: torch.Ten
             losses.append(loss.detach())
         epoch_losses.append(torch.stack(losses).mean())
     policy.eval()
-    return (teacher.all_reduce(torch.stack(epoch_losses)) / world).tolist()  # the mean over the ranks
+    return (model.all_reduce(torch.stack(epoch_losses)) / world).tolist()  # the mean over the ranks
 
 
 def student_env_cfg(args: Args, teacher_ckpt: dict) -> dict:
@@ -183,28 +183,46 @@ def student_env_cfg(args: Args, teacher_ckpt: dict) -> dict:
 
 def load_policy(path, device="cpu"):
     """(student policy in eval mode with act(obs) -> alpha [N, 29], checkpoint dict) for evaluation and export."""
-    ckpt = teacher.load_checkpoint(path, "student")
-    policy = StudentPolicy(ckpt["obs_layout"], teacher.checkpoint_args(path, ckpt, Args)).to(device)
-    teacher.load_weights(path, policy, ckpt["model"])
+    ckpt = model.load_checkpoint(path, "student")
+    policy = StudentPolicy(ckpt["obs_layout"], model.checkpoint_args(path, ckpt, Args)).to(device)
+    model.load_weights(path, policy, ckpt["model"])
     return policy.eval(), ckpt
 
 
 def train(args: Args, env=None) -> pathlib.Path:
     """Online DAgger. `env`: an env already built from the teacher's env_cfg (tests share one); None builds it."""
     # --- set-up: a resumed run takes its checkpoint's settings (only the budget and the device may change)
-    resume = teacher.load_checkpoint(args.resume, "student") if args.resume else None
+    resume = model.load_checkpoint(args.resume, "student") if args.resume else None
     if resume is not None and "rng" not in resume:
         raise InputError(args.resume, "weights only (a shipped model): it can be evaluated or exported, not resumed")
     if resume is not None:
-        args = teacher.resumed_args(args, resume, PRESETS)
+        args = model.resumed_args(args, resume, PRESETS)
     if args.buffer_iterations < 1:
         raise InputError("--buffer-iterations", f"must be at least 1 (the newest rollout): {args.buffer_iterations}")
-    device, world, rank, rng = teacher.start_rank(args, resume)
-
-    # --- the frozen teacher fixes the env and, unless set, the student's sizes
     if not args.teacher_ckpt:
         raise InputError("--teacher-ckpt", "give the teacher to distil: --teacher-ckpt <teacher.pt>")
-    teacher_agent, tckpt = teacher.load_policy(args.teacher_ckpt, device)
+    # the device and ranks (torchrun: one rank per GPU or CPU core), checked before any engine starts
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    device = torch.device(args.device or "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda", "CUDA is not available on this machine: --preset cpu (or --device cpu) runs "
+                                          "on the CPU")
+    if args.amp and device.type != "cuda":
+        raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if device.index is None else device.index)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(args.seed + rank)  # ranks are seeded apart; they start from rank 0's weights (DDP)
+    same_kind = resume is not None and torch.device(resume["args"]["device"]).type == device.type
+    rng = resume["rng"][rank] if same_kind and rank < len(resume["rng"]) else None  # the rank's own streams
+
+    # --- the frozen teacher fixes the env and, unless set, the student's sizes
+    teacher, tckpt = model.load_teacher(args.teacher_ckpt, device)
     args = dataclasses.replace(args, **{k: tckpt["args"][k] for k in MODEL_SIZES if getattr(args, k) is None})
     if resume is not None and resume["teacher"]["global_step"] != tckpt["global_step"]:
         raise InputError(args.resume, f"distilled from {args.teacher_ckpt} at teacher step "
@@ -219,24 +237,25 @@ def train(args: Args, env=None) -> pathlib.Path:
         env.gen.set_state(rng["env"]["gen"])
     obs = env.reset()
     layout = env.obs_layout
-    teacher.check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout,
-                         teacher.actor_obs(teacher.checkpoint_args(args.teacher_ckpt, tckpt, teacher.Args)))
+    model.check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, teacher.actor_obs)
     policy = StudentPolicy(layout, args).to(device)
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=1e-5)
     global_step, iteration = 0, 0
     if resume is not None:
-        teacher.check_layout(args.resume, resume["obs_layout"], layout, STUDENT_OBS)
-        teacher.load_weights(args.resume, policy, resume["model"])
-        teacher.load_weights(args.resume, optimizer, resume["optimizer"])
+        model.check_layout(args.resume, resume["obs_layout"], layout, STUDENT_OBS)
+        model.load_weights(args.resume, policy, resume["model"])
+        model.load_weights(args.resume, optimizer, resume["optimizer"])
         global_step, iteration = resume["global_step"], resume["iteration"]
         print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
     else:
         policy.alpha_0.copy_(env.motions.mean_dof_pos)
         if args.hcdr in ("teacher", "finetune"):
-            share_teacher_hcdr(policy, teacher_agent, args.teacher_ckpt)
+            share_teacher_hcdr(policy, teacher, args.teacher_ckpt)
         policy.actor.update_norms(obs)
     if rng is not None:  # this rank's learner streams (minibatch order, exploration noise)
-        teacher.set_learner_streams(rng, device)
+        torch.set_rng_state(rng["torch"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
     # under torchrun the update runs through DDP: rank 0's weights to every rank now, averaged gradients in backward
     learner = nn.parallel.DistributedDataParallel(policy, forward_sync_buffers=False) if world > 1 else policy
     policy.eval()
@@ -254,10 +273,15 @@ def train(args: Args, env=None) -> pathlib.Path:
         print("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
         writer = SummaryWriter(run_dir, purge_step=global_step + 1)  # a resumed run hides what came after its step
 
-    def rng_states() -> list[dict]:  # every rank's learner and env streams, in rank order
-        return teacher.all_gather({**teacher.learner_streams(device), "env": {"gen": env.gen.get_state()}}, world)
+    def random_streams() -> list[dict]:  # every rank's learner and env streams, in rank order
+        mine = {"torch": torch.get_rng_state(), "env": {"gen": env.gen.get_state()},
+                **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
+        out = [mine] * world
+        if world > 1:
+            dist.all_gather_object(out, mine)
+        return out
 
-    def save(finished: dict):  # a plain dict, written atomically by rank 0
+    def save():  # the weights now with the counters and streams of the last whole iteration, written by rank 0
         if rank == 0 and finished["iteration"] > first_iteration:
             ckpt = {"kind": "student", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
                     "model": policy.state_dict(), "optimizer": optimizer.state_dict(), **finished,
@@ -265,7 +289,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             ssjr.write_atomic(run_dir / "student.pt", lambda tmp: torch.save(ckpt, tmp))
 
     first_iteration, start_step = iteration, global_step
-    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}  # the last whole iteration
+    finished = {"global_step": global_step, "iteration": iteration, "rng": random_streams()}
     stop = torch.zeros((), device=device)  # set by a signal on any rank; the ranks agree on it every iteration
     previous = {sig: signal.signal(sig, lambda *_: stop.fill_(1.0)) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -281,7 +305,7 @@ def train(args: Args, env=None) -> pathlib.Path:
     start_time = time.time()
     try:
         while global_step + per_iteration <= args.total_env_steps:
-            if teacher.all_reduce(stop).item():  # a signal on any rank stops every rank
+            if model.all_reduce(stop).item():  # a signal on any rank stops every rank
                 break
             iteration += 1
             beta = args.beta * args.beta_decay ** (iteration - 1)
@@ -293,7 +317,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             for step in range(T):
                 with torch.no_grad(), amp():
                     alpha_2 = policy(obs)
-                    alpha_1 = teacher_agent.act(obs)  # DAgger label of the visited state (privileged observations)
+                    alpha_1 = teacher.act(obs)  # DAgger label of the visited state (privileged observations)
                 rows = slice(oldest + step * n, oldest + (step + 1) * n)
                 for k in STUDENT_OBS:
                     data_obs[k][rows] = obs[k]
@@ -324,8 +348,8 @@ def train(args: Args, env=None) -> pathlib.Path:
 
             # logging: one host read (means over the ranks, episode sums over all of them)
             totals = {**episode_sums, "nan_resets": env.nan_resets}
-            mean_t = teacher.all_reduce(torch.stack(list(step_sums.values())) / T)
-            total_t = teacher.all_reduce(torch.stack([torch.as_tensor(v, device=device).float()
+            mean_t = model.all_reduce(torch.stack(list(step_sums.values())) / T)
+            total_t = model.all_reduce(torch.stack([torch.as_tensor(v, device=device).float()
                                                       for v in totals.values()]))
             mean, total = dict(zip(step_sums, (mean_t / world).tolist())), dict(zip(totals, total_t.tolist()))
             per_episode = {k: total[k] / total["episodes"] if total["episodes"] else float("nan")
@@ -337,7 +361,7 @@ def train(args: Args, env=None) -> pathlib.Path:
                        "charts/nan_resets": total["nan_resets"], "charts/SPS": sps, "iteration": iteration,
                        "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1],
                        "losses/lr": optimizer.param_groups[0]["lr"]}
-            finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}
+            finished = {"global_step": global_step, "iteration": iteration, "rng": random_streams()}
             if writer is not None:
                 for k, v in scalars.items():
                     writer.add_scalar(k, v, global_step)
@@ -346,10 +370,10 @@ def train(args: Args, env=None) -> pathlib.Path:
                       f"success {per_episode['successes']:.2f} | g-mpjpe {1000 * mean['gt_err_m']:.0f} mm | beta "
                       f"{beta:.2f} | ETA {(args.total_env_steps - global_step) / sps / 60:.1f} min", flush=True)
             if iteration % args.checkpoint_every == 0:
-                save(finished)
+                save()
     except BaseException:  # a crash still leaves the last whole iteration on disk (unless the weights went bad)
         if all(p.isfinite().all() for p in policy.parameters()):
-            save(finished)
+            save()
         raise
     finally:
         for sig, handler in previous.items():
@@ -358,7 +382,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             writer.close()
         if own_env:
             env.close()
-    save(finished)
+    save()
     if rank == 0:
         print(f"saved student.pt and the TensorBoard log in {run_dir}")
     return run_dir / "student.pt"

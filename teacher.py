@@ -6,32 +6,27 @@ and HCDR, in one file (CleanRL style).
     torchrun --standalone --nproc_per_node 8 teacher.py               # 8 GPUs: one rank each, gradients all-reduced
     python teacher.py --preset cpu --resume runs/<run>/teacher.pt
 
-The policy reads one token per stacked proprio step (5), one per future reference step (8), a terrain token g_t and
-the HCDR token m_t; a transformer encoder mixes them and the output of token 0 (the current state s_t) goes through an
-MLP head to 29 action means. The action is a residual around the next reference joint positions:
-alpha = q_ref(t+1) + action_scale * a. The critic is a separate MLP on the privileged critic observation (which
-includes psi). student.py imports the model (TokenPolicy, the backbone both stages share) and the checkpoint readers.
+The network (model.Agent: the token policy with its HCDR token m_t, and the privileged critic) is in model.py, which
+student.py shares; this file is the PPO loop: set-up, rollout, GAE, update, log, checkpoint.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import pathlib
-import random
 import signal
 import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import tyro
 
 import envs
+import model
 import ssjr
-from hcdr import HCDR
 from ssjr import InputError
 
 
@@ -64,9 +59,6 @@ class Args:
     keep_every: int = 0
     """iterations between kept copies teacher_it<N>.pt (0: none): checkpoints a few hundred k steps apart can differ
     by tens of points from frame 0 under DR, so pick one by evaluation on held seeds (docs/experiments.md)"""
-    ema_decay: float = 0.0
-    """> 0: an exponential moving average of the weights and normalizers over the iterations (0.998: ~500) is
-    saved beside the teacher, teacher_ema.pt (kept copies too), to evaluate or distil like it (0: none)"""
     resume: str = ""  # checkpoint of this script to continue (only the budget, device and --keep-every may change)
     run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
     sim: str = "isaaclab"
@@ -131,141 +123,6 @@ class Preset:
 TEACHER_OBS = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask", "psi", "critic")
 
 
-def actor_obs(args) -> tuple[str, ...]:
-    """What the teacher's actor reads (to act, and to label a student's states): the critic's input plays no part."""
-    return ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask") + ("psi",) * args.psi_actor
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """x summed over the torchrun ranks, in place (a plain run: x as it is); returns x."""
-    if dist.is_initialized():
-        dist.all_reduce(x)
-    return x
-
-
-class RunningNorm(nn.Module):
-    """Running mean/std of an observation (saved with the model; frozen at evaluation)."""
-
-    def __init__(self, shape):
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(shape))
-        self.register_buffer("var", torch.ones(shape))
-        self.register_buffer("count", torch.tensor(1e-4))
-
-    @torch.no_grad()
-    def update(self, x: torch.Tensor):
-        x = x.reshape(-1, *self.mean.shape)
-        x = x[torch.isfinite(x).flatten(1).all(-1)]
-        # the batch of every rank (two passes): all ranks keep the same statistics
-        sums = all_reduce(torch.stack([torch.full_like(self.mean, len(x)), x.sum(0)]))
-        n = int(sums[0].flatten()[0])
-        if n == 0:
-            return
-        batch_mean = sums[1] / n
-        batch_var = all_reduce((x - batch_mean).pow(2).sum(0)) / n
-        delta, total = batch_mean - self.mean, self.count + n
-        self.mean += delta * n / total
-        self.var = (self.var * self.count + batch_var * n + delta.pow(2) * self.count * n / total) / total
-        self.count = total
-
-    def forward(self, x, clip: float = 10.0):
-        # one new tensor, then in place: these stacks are the largest tensors of a CPU forward pass
-        return (x - self.mean).div_(self.var.sqrt() + 1e-5).clamp_(-clip, clip)
-
-    def denormalize(self, x):
-        return x * (self.var.sqrt() + 1e-5) + self.mean
-
-
-def mlp(sizes, act=nn.ELU, last_act=False):
-    layers = [m for i in range(len(sizes) - 1) for m in (nn.Linear(sizes[i], sizes[i + 1]), act())]
-    return nn.Sequential(*(layers if last_act else layers[:-1]))
-
-
-class TokenPolicy(nn.Module):
-    """Transformer over observation tokens + the HCDR token; token 0's output -> MLP head -> 29 action means.
-    `token_obs` names the [N, T_i, D_i] observation streams that become tokens (one Linear each). The first stream is
-    the proprio stack (oldest first in the env); it enters newest first, so token 0, the one read out, is the current
-    self-observation s_t (the paper's 'self-obs token', output of token 0)."""
-
-    def __init__(self, layout: dict, token_obs: tuple[str, ...], args, hcdr: bool):
-        super().__init__()
-        d, self.token_obs = args.d_model, token_obs
-        self.norms = nn.ModuleDict({k: RunningNorm(layout[k][-1]) for k in (*token_obs, "terrain")})
-        self.embed = nn.ModuleDict({k: nn.Linear(layout[k][-1], d) for k in token_obs})
-        self.terrain = nn.Sequential(nn.LayerNorm(layout["terrain"][0]),
-                                     mlp([layout["terrain"][0], args.terrain_dim, args.terrain_dim], nn.ReLU, True),
-                                     nn.Linear(args.terrain_dim, d))
-        hist_dim = layout["history"][-1]
-        self.hcdr = HCDR(hist_dim - ssjr.NUM_DOF, ssjr.NUM_DOF, layout["history"][0], args.hcdr_queries, args.hcdr_dim,
-                         args.hcdr_layers, max(1, args.hcdr_dim // 32), out_dim=d) if hcdr else None
-        self.history_norm = RunningNorm(hist_dim)
-        self.history_frozen = False  # a student's shared, frozen HCDR keeps the teacher's history statistics
-        n_tokens = sum(layout[k][0] for k in token_obs) + 1 + int(hcdr)
-        self.pos = nn.Parameter(0.02 * torch.randn(n_tokens, d))
-        layer = nn.TransformerEncoderLayer(d, args.num_heads, args.ff_dim, dropout=0.0, activation="relu",
-                                           batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, args.num_layers, enable_nested_tensor=False)
-        self.head = mlp([d, args.head_dim, args.head_dim, args.head_dim, ssjr.NUM_DOF], nn.ReLU)
-        nn.init.zeros_(self.head[-1].weight)  # start at a = 0: alpha = the reference (teacher) / bias (student)
-        nn.init.zeros_(self.head[-1].bias)
-
-    def update_norms(self, obs):
-        for k, norm in self.norms.items():
-            norm.update(obs[k])
-        if not self.history_frozen:
-            self.history_norm.update(obs["history"][obs["history_mask"]])
-
-    def forward(self, obs) -> torch.Tensor:
-        tokens = [self.embed[k](self.norms[k](obs[k])) for k in self.token_obs]
-        tokens[0] = tokens[0].flip(1)  # s_t, s_t-1, ...: token 0 is the current state
-        tokens.append(self.terrain(self.norms["terrain"](obs["terrain"]))[:, None])
-        if self.hcdr is not None:
-            m_t = self.hcdr(self.history_norm(obs["history"]), obs["history_mask"])
-            tokens.append(m_t[:, None])
-        x = torch.cat(tokens, 1) + self.pos
-        return self.head(self.encoder(x)[:, 0]).float()  # fp32 actions also under bf16 autocast
-
-
-class Agent(nn.Module):
-    """Teacher actor pi*(alpha | m_t, s_full, g_t, Y_full) and privileged critic V(s_critic)."""
-
-    def __init__(self, layout: dict, args):
-        super().__init__()
-        self.actor = TokenPolicy(layout, ("proprio", "future") + ("psi",) * args.psi_actor, args, hcdr=not args.no_hcdr)
-        self.critic_norm = RunningNorm(layout["critic"][0])
-        self.critic = mlp([layout["critic"][0]] + [args.critic_dim] * 4 + [1])
-        self.value_norm = RunningNorm(1) if args.value_norm else None  # statistics of the returns
-        self.log_std, self.action_scale = args.log_std, args.action_scale
-
-    @torch.no_grad()
-    def update_norms(self, obs):
-        self.actor.update_norms(obs)
-        self.critic_norm.update(obs["critic"])
-
-    def value(self, obs, normalized: bool = False):
-        """V(s) in return units (GAE), or as the critic outputs it (the loss: with --value-norm, normalized)."""
-        v = self.critic(self.critic_norm(obs["critic"])).squeeze(-1).float()
-        return v if normalized or self.value_norm is None else self.value_norm.denormalize(v)
-
-    def dist(self, obs):
-        mean = self.actor(obs)
-        return torch.distributions.Normal(mean, torch.full_like(mean, self.log_std).exp())
-
-    def forward(self, obs):
-        """(pi, V) for the PPO loss: the update calls the module itself, so that under torchrun DDP averages the
-        gradients over the ranks."""
-        return self.dist(obs), self.value(obs, normalized=True)
-
-    def to_alpha(self, obs, a):
-        """PD targets from the residual action."""
-        return obs["ref_dof_pos"] + self.action_scale * a
-
-    @torch.no_grad()
-    def act(self, obs):
-        """Deterministic PD targets (evaluation, DAgger labels)."""
-        return self.to_alpha(obs, self.actor(obs))
-
-
 def compute_gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.Tensor:
     """Generalized advantage estimation over a [T, N] rollout; dones[t] = the episode ended after step t."""
     advantages, last_gae = torch.zeros_like(rewards), torch.zeros_like(next_value)
@@ -296,119 +153,39 @@ def ppo_losses(agent, obs, actions, old_logprob, advantages, returns, old_values
     return pg_loss, v_loss, approx_kl, clipfrac
 
 
-# --- checkpoints (student.py and evaluate.py read them too) ---------------------------------------------------------
-def load_checkpoint(path, kind: str | tuple[str, ...] = ("teacher", "student")) -> dict:
-    """A checkpoint of `kind` (one of them, for a tuple), or an error naming the file."""
-    path, kinds = pathlib.Path(path), (kind,) if isinstance(kind, str) else kind
-    if not path.is_file():
-        raise InputError(path, "checkpoint not found")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        first_line = str(e).partition("\n")[0][:200]
-        raise InputError(path, f"not a readable checkpoint ({type(e).__name__}: {first_line})")
-    found = ckpt.get("kind") if isinstance(ckpt, dict) else type(ckpt).__name__
-    if found not in kinds:
-        raise InputError(path, f"expected a {' or '.join(kinds)} checkpoint, found {found!r}")
-    if missing := [k for k in ("args", "obs_layout", "model", "env_cfg") if k not in ckpt]:
-        raise InputError(path, f"{found} checkpoint without {missing} (from another version)")
-    return ckpt
-
-
-def checkpoint_args(path, ckpt: dict, cls):
-    """The checkpoint's settings as `cls` (teacher or student Args); a checkpoint of another version -> one line."""
-    if unknown := sorted(set(ckpt["args"]) - {f.name for f in dataclasses.fields(cls)}):
-        raise InputError(path, f"settings {unknown} are unknown to this version of {cls.__module__}.py")
-    return cls(**ckpt["args"])
-
-
-def resumed_args(args, ckpt: dict, presets: dict):
-    """A resumed run's settings: its checkpoint's, in its folder, on this call's device and AMP, to its own budget
-    and with its own kept copies unless --total-env-steps or --keep-every name others (values other than the preset's
-    defaults: a bare --resume finishes the run it continues, it does not stop at the cpu preset's 200k steps or go on
-    to the paper's 1e9)."""
-    saved = checkpoint_args(args.resume, ckpt, type(args))
-    named = {k: getattr(args, k) for k in ("total_env_steps", "keep_every") if k in vars(saved)
-             and getattr(args, k) != getattr(presets[args.preset], k)}
-    return dataclasses.replace(saved, resume=args.resume, amp=args.amp, **named,
-                               run_dir=str(pathlib.Path(args.resume).parent), device=args.device or saved.device)
-
-
-def load_weights(path, module: nn.Module, state: dict):
-    try:  # a checkpoint of another architecture (sizes, keys, optimizer groups) is one line naming the file
-        module.load_state_dict(state)
-    except (RuntimeError, ValueError) as e:
-        raise InputError(path, f"the weights do not fit this version's model ({str(e).strip().splitlines()[-1][:90]})")
-
-
-def check_layout(path, expected: dict, found: dict, keys):
-    """A checkpoint is only valid for the observation layout it was trained on."""
-    for k in keys:
-        if list(expected.get(k, [])) != list(found.get(k, [])):
-            raise InputError(path, f"observation layout mismatch for '{k}': checkpoint has {expected.get(k)}, this "
-                                   f"env gives {found.get(k)} (different env version or settings)")
-
-
-def load_policy(path, device="cpu"):
-    """(teacher Agent in eval mode, checkpoint dict) for evaluation and distillation."""
-    ckpt = load_checkpoint(path, "teacher")
-    agent = Agent(ckpt["obs_layout"], checkpoint_args(path, ckpt, Args)).to(device)
-    load_weights(path, agent, ckpt["model"])
-    return agent.eval(), ckpt
-
-
-def start_rank(args, resume: dict | None):
-    """Device, torchrun ranks and seeds of a training run (teacher.py, student.py), checked before any engine starts:
-    one process per GPU or CPU core (nccl on CUDA, gloo on the CPU), no silent fallback from CUDA to the CPU.
-    Returns (device, world size, rank, this rank's random streams from `resume` or None)."""
-    world, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+def start_rank(args):
+    """This process's device, world size and rank, checked before any engine starts: torchrun starts one rank per GPU
+    or CPU core (nccl on CUDA, gloo on the CPU); cuda without a GPU is an error, not a silent fallback to the CPU.
+    Ranks are seeded apart (seed + rank) and start from rank 0's weights (DDP broadcasts them)."""
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     device = torch.device(args.device or "cuda")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {device.type}", f"CUDA is not available on this machine (torch "
-                             f"{torch.__version__}); to run on the CPU on purpose pass --device cpu, or --preset cpu")
-        if device.index is None:
-            device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)  # fp32 matmuls use TF32 there; the CPU path stays exact fp32
-        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
-    elif args.amp:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda", f"CUDA is not available on this machine (torch {torch.__version__}); to "
+                                          f"run on the CPU on purpose pass --device cpu, or --preset cpu")
+    if args.amp and device.type != "cuda":
         raise InputError("--amp", "bf16 autocast is for CUDA devices; the CPU learner stays in fp32")
+    if device.type == "cuda":  # fp32 matmuls in TF32 there; the CPU stays exact fp32
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if device.index is None else device.index)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank = dist.get_rank() if world > 1 else 0
+    torch.manual_seed(args.seed + rank)
     print(f"rank {rank} of {world}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
           f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
-    random.seed(args.seed + rank)  # ranks are seeded apart; they start from rank 0's weights (DDP broadcasts them)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    rng = None  # a resumed rank goes on with its own random streams if the checkpoint has them (same device type)
-    if resume is not None and torch.device(resume["args"]["device"]).type == device.type and rank < len(resume["rng"]):
-        rng = resume["rng"][rank]
-    return device, world, rank, rng
+    return device, world, rank
 
 
-def learner_streams(device) -> dict:
-    """This rank's learner random streams (torch, numpy, python, CUDA), as a checkpoint's "rng" entry holds them."""
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+def random_streams(env, device, world: int) -> list[dict]:
+    """Every rank's random streams in rank order, as a checkpoint holds them: the learner's (torch's global stream:
+    sampling, minibatch order; CUDA's) and the env's (resets, DR draws, clip weights)."""
+    mine = {"torch": torch.get_rng_state(), "env": {"gen": env.gen.get_state(), "clip_weights": env.clip_weights},
             **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
-
-
-def set_learner_streams(rng: dict, device):
-    """Continue the learner streams of learner_streams' dict (a resumed rank)."""
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], device)
-
-
-def all_gather(obj, world: int) -> list:
-    """Every rank's obj, in rank order (a plain run: [obj])."""
-    out = [obj] * world
+    out = [mine] * world
     if world > 1:
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, mine)
     return out
 
 
@@ -427,16 +204,19 @@ def robot_motions(motions: str) -> str | list[str]:
 
 def main(args: Args) -> pathlib.Path:
     # --- set-up: a resumed run takes its checkpoint's settings (only the budget, device and kept copies may change)
-    resume = load_checkpoint(args.resume, "teacher") if args.resume else None
+    resume = model.load_checkpoint(args.resume, "teacher") if args.resume else None
+    if resume is not None and "rng" not in resume:
+        raise InputError(args.resume, "weights only (a shipped model): it can be evaluated, exported or distilled "
+                                      "from, not resumed")
     if resume is not None:
-        if "rng" not in resume:
-            raise InputError(args.resume, "weights only (a shipped model): it can be evaluated, exported or "
-                                          "distilled from, not resumed")
-        args = resumed_args(args, resume, PRESETS)
+        args = model.resumed_args(args, resume, PRESETS)
     if args.minibatch_size > args.num_envs * args.num_steps:
         raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
                                              f"x {args.num_steps} steps)")
-    device, world, rank, rng = start_rank(args, resume)
+    device, world, rank = start_rank(args)
+    # a resumed rank goes on with its own random streams (if the checkpoint has them for this rank and device type)
+    same_kind = resume is not None and torch.device(resume["args"]["device"]).type == device.type
+    rng = resume["rng"][rank] if same_kind and rank < len(resume["rng"]) else None
 
     env_cfg = dict(sim=args.sim, motions=robot_motions(args.motions), terrain=args.terrain,  # the student's env too
                    dr=None if args.no_dr else "default", root_velocity=args.root_velocity)
@@ -446,29 +226,27 @@ def main(args: Args) -> pathlib.Path:
     if env.dr is not None:
         env.dr.body_psi_per_episode = args.body_dr_per_episode
     clip_stats = torch.zeros(2, len(env.motions), device=device)  # per clip: episodes ended, falls (re-weighting)
-    if rng is not None:  # this rank's env stream and clip weights, before the first reset (fall counts start anew)
+    if rng is not None:  # the env stream and clip weights, before the first reset (fall counts start anew)
         env.gen.set_state(rng["env"]["gen"])
         if rng["env"].get("clip_weights") is not None:
             env.clip_weights = rng["env"]["clip_weights"].to(device)
     obs = env.reset()
     layout = env.obs_layout
-    agent = Agent(layout, args).to(device)
+    agent = model.Agent(layout, args).to(device)
     agent.update_norms(obs)
     actor_opt = torch.optim.Adam(agent.actor.parameters(), lr=args.actor_lr, eps=1e-5)
     critic_opt = torch.optim.Adam(agent.critic.parameters(), lr=args.critic_lr, eps=1e-5)
     global_step, iteration = 0, 0
     if resume is not None:
-        check_layout(args.resume, resume["obs_layout"], layout, TEACHER_OBS)
+        model.check_layout(args.resume, resume["obs_layout"], layout, TEACHER_OBS)
         for module, key in ((agent, "model"), (actor_opt, "actor_opt"), (critic_opt, "critic_opt")):
-            load_weights(args.resume, module, resume[key])
+            model.load_weights(args.resume, module, resume[key])
         global_step, iteration = resume["global_step"], resume["iteration"]
         print(f"rank {rank}: resumed from {args.resume} at step {global_step:,} (iteration {iteration})")
-    # the averaged model (--ema-decay): after each iteration every tensor of the state moves 1 - decay of the way to
-    # the current one (a smaller decay in the first iterations, as TensorFlow's, so the start fades out)
-    ema = None if not args.ema_decay else {
-        k: v.detach().to(device, copy=True) for k, v in (resume or {}).get("model_ema", agent.state_dict()).items()}
-    if rng is not None:  # this rank's learner streams (sampling, minibatch order)
-        set_learner_streams(rng, device)
+    if rng is not None:  # the learner streams (sampling, minibatch order), after the weights were drawn
+        torch.set_rng_state(rng["torch"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
     # under torchrun the update runs through DDP: rank 0's weights to every rank now, averaged gradients in backward
     learner = nn.parallel.DistributedDataParallel(agent, forward_sync_buffers=False) if world > 1 else agent
     amp = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
@@ -484,27 +262,17 @@ def main(args: Args) -> pathlib.Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         print("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
         writer = SummaryWriter(run_dir, purge_step=global_step + 1)  # a resumed run hides what came after its step
+    first_iteration, start_step = iteration, global_step
+    finished = {"global_step": global_step, "iteration": iteration, "rng": random_streams(env, device, world)}
 
-    def rng_states() -> list[dict]:  # every rank's learner and env streams, in rank order
-        env_streams = {"gen": env.gen.get_state(), "clip_weights": env.clip_weights}
-        return all_gather({**learner_streams(device), "env": env_streams}, world)
-
-    def save(finished: dict, keep: bool = False):  # plain dicts, written atomically by rank 0
+    def save(keep: bool = False):  # the weights now with the counters and streams of the last whole iteration
         if rank == 0 and finished["iteration"] > first_iteration:
             ckpt = {"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "obs_layout": layout,
                     "model": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
                     "critic_opt": critic_opt.state_dict(), **finished, "world_size": world}
-            files = {"teacher": ckpt}
-            if args.ema_decay:  # the average goes on with a resumed run; alone, it is a teacher like any other
-                files = {"teacher": {**ckpt, "model_ema": ema}, "teacher_ema": {
-                    **{k: v for k, v in ckpt.items() if k not in ("actor_opt", "critic_opt", "rng")}, "model": ema}}
-            for name, c in files.items():
-                ssjr.write_atomic(run_dir / f"{name}.pt", lambda tmp: torch.save(c, tmp))
-                if keep:
-                    ssjr.write_atomic(run_dir / f"{name}_it{finished['iteration']}.pt", lambda tmp: torch.save(c, tmp))
+            for path in [run_dir / "teacher.pt"] + [run_dir / f"teacher_it{finished['iteration']}.pt"] * keep:
+                ssjr.write_atomic(path, lambda tmp: torch.save(ckpt, tmp))
 
-    first_iteration, start_step = iteration, global_step
-    finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}  # the last whole iteration
     stop = torch.zeros((), device=device)  # set by a signal on any rank; the ranks agree on it every iteration
     previous = {sig: signal.signal(sig, lambda *_: stop.fill_(1.0)) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -518,7 +286,7 @@ def main(args: Args) -> pathlib.Path:
     start_time = time.time()
     try:
         while global_step + per_iteration <= args.total_env_steps:
-            if all_reduce(stop).item():  # a signal on any rank stops every rank
+            if model.all_reduce(stop).item():  # a signal on any rank stops every rank
                 break
             iteration += 1
             # per-iteration statistics stay on the device (a host read stalls a GPU): sums over steps, over episodes
@@ -580,7 +348,7 @@ def main(args: Args) -> pathlib.Path:
                     # adaptive step size (not on the first minibatch: the policy is still the rollout's, KL 0); the
                     # KL is the mean over the ranks, so every rank steps its lr alike
                     if args.desired_kl > 0 and (epoch > 0 or start > 0):
-                        kl = all_reduce(approx_kl.clone()).item() / world
+                        kl = model.all_reduce(approx_kl.clone()).item() / world
                         for group in actor_opt.param_groups:
                             if kl > 2.0 * args.desired_kl:
                                 group["lr"] = max(group["lr"] / 1.5, 1e-6)
@@ -600,13 +368,9 @@ def main(args: Args) -> pathlib.Path:
             agent.update_norms({k: v[::4] for k, v in buf_obs.items()})
             if agent.value_norm is not None:
                 agent.value_norm.update(returns.reshape(-1, 1))
-            if ema is not None:
-                decay = min(args.ema_decay, (1 + iteration) / (10 + iteration))
-                for k, v in agent.state_dict().items():  # all float: weights and the normalizers' statistics
-                    ema[k].lerp_(v, 1 - decay)
             # clip re-weighting: the clips that fail get the episodes (the authors: every 500 epochs, the failed clips)
             if args.reweight_every and iteration % args.reweight_every == 0:
-                all_reduce(clip_stats)
+                model.all_reduce(clip_stats)
                 env.clip_weights = (clip_stats[1] / clip_stats[0].clamp(min=1)).clamp(min=0.05)
                 clip_stats.zero_()
 
@@ -616,8 +380,8 @@ def main(args: Args) -> pathlib.Path:
                      "explained_variance": 1 - (b_returns - b_values).var() / b_returns.var(),
                      **{k: v / T for k, v in step_sums.items()}, **{k: v.float().mean() for k, v in env.psi.items()}}
             totals = {**episode_sums, "nan_resets": env.nan_resets}
-            mean_t = all_reduce(torch.stack([torch.as_tensor(v, device=device).float() for v in means.values()]))
-            total_t = all_reduce(torch.stack([torch.as_tensor(v, device=device).float() for v in totals.values()]))
+            stack = lambda d: torch.stack([torch.as_tensor(v, device=device).float() for v in d.values()])
+            mean_t, total_t = model.all_reduce(stack(means)), model.all_reduce(stack(totals))
             mean, total = dict(zip(means, (mean_t / world).tolist())), dict(zip(totals, total_t.tolist()))
             per_episode = {k: total[k] / total["episodes"] if total["episodes"] else float("nan")
                            for k in ("return", "length", "successes")}
@@ -634,7 +398,7 @@ def main(args: Args) -> pathlib.Path:
                        **{f"rewards/{k}": mean[k] for k in envs.REWARD_COEFFS},
                        **{f"dr/{k}": mean[k] for k in env.psi},
                        **{f"clip_weight/{i}": w for i, w in enumerate(clip_weights)}}
-            finished = {"global_step": global_step, "iteration": iteration, "rng": rng_states()}
+            finished = {"global_step": global_step, "iteration": iteration, "rng": random_streams(env, device, world)}
             if writer is not None:
                 for k, v in scalars.items():
                     writer.add_scalar(k, v, global_step)
@@ -645,10 +409,10 @@ def main(args: Args) -> pathlib.Path:
                       f"{(args.total_env_steps - global_step) / sps / 60:.1f} min", flush=True)
             keep = args.keep_every > 0 and iteration % args.keep_every == 0  # a crash does not rewrite a kept copy
             if keep or iteration % args.checkpoint_every == 0:
-                save(finished, keep)
+                save(keep)
     except BaseException:  # a crash still leaves the last whole iteration on disk (unless the weights went bad)
         if all(p.isfinite().all() for p in agent.parameters()):
-            save(finished)
+            save()
         raise
     finally:
         for sig, handler in previous.items():
@@ -656,7 +420,7 @@ def main(args: Args) -> pathlib.Path:
         if writer is not None:
             writer.close()
         env.close()
-    save(finished)
+    save()
     if rank == 0:
         print(f"saved teacher.pt and the TensorBoard log in {run_dir}")
     return run_dir / "teacher.pt"

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import model
 import teacher
 from conftest import read_log
 from test_teacher import LAYOUT, fake_obs, small_args
@@ -52,7 +53,7 @@ def rank_obs(rank):
 def rank_main(rank, world, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(rank)  # ranks are seeded apart, as in teacher.main: DDP starts them from rank 0's weights
-    agent = teacher.Agent(LAYOUT, small_args())
+    agent = model.Agent(LAYOUT, small_args())
     state = one_update(agent, rank_obs(rank), fake_obs(32, torch.Generator().manual_seed(99)), world)
     torch.save(state, pathlib.Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -65,7 +66,7 @@ def test_two_ranks_average_gradients_and_merge_normalizer_statistics(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert all(torch.equal(r0[k], r1[k]) for k in r0)  # every rank holds the same model
     torch.manual_seed(0)
-    single = teacher.Agent(LAYOUT, small_args())
+    single = model.Agent(LAYOUT, small_args())
     both = [rank_obs(r) for r in (0, 1)]
     ref = one_update(single, {k: torch.cat([b[k] for b in both]) for k in both[0]},
                      fake_obs(32, torch.Generator().manual_seed(99)), 1)

@@ -17,6 +17,7 @@ from scipy import stats
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402
 import evaluate as ev  # noqa: E402
+import model  # noqa: E402
 import ssjr  # noqa: E402
 import teacher  # noqa: E402
 
@@ -544,6 +545,8 @@ class ScriptedEnv:
 
 
 class ZeroPolicy:
+    actor_obs = ("proprio", "future", "ref_dof_pos", "terrain", "history", "history_mask")  # a teacher's inputs
+
     def act(self, obs):
         return torch.zeros(len(obs["proprio"]), 29)
 
@@ -643,12 +646,12 @@ def test_opened_env_is_the_checkpoint_env_cfg_with_the_setting_overrides(monkeyp
 def test_load_policy_dispatches_on_the_checkpoint_kind(tmp_path, monkeypatch):
     import student
     calls = []
-    for module in (teacher, student):
-        monkeypatch.setattr(module, "load_policy", lambda path, device, m=module.__name__: calls.append(m) or m)
-    for kind in ("teacher", "student"):
+    for module, name in ((model, "load_teacher"), (student, "load_policy")):
+        monkeypatch.setattr(module, name, lambda path, device, m=name: calls.append(m) or m)
+    for kind, loader in (("teacher", "load_teacher"), ("student", "load_policy")):
         torch.save({"kind": kind, "args": {}, "env_cfg": {}, "obs_layout": {}, "model": {}}, tmp_path / f"{kind}.pt")
-        assert ev.load_policy(tmp_path / f"{kind}.pt", "cpu") == kind
-    assert calls == ["teacher", "student"]
+        assert ev.load_policy(tmp_path / f"{kind}.pt", "cpu") == loader
+    assert calls == ["load_teacher", "load_policy"]
 
 
 def scripted_main(tmp_path, monkeypatch, fail_label="nohcdr", raise_at_step=None, kinds=None):
@@ -673,7 +676,7 @@ def scripted_main(tmp_path, monkeypatch, fail_label="nohcdr", raise_at_step=None
         built[-1].build_seed = cfg["seed"]
         return built[-1]
     monkeypatch.setattr(envs, "make_env", make_env)
-    monkeypatch.setattr(ev, "load_policy", lambda path, device: (ZeroPolicy(), teacher.load_checkpoint(path)))
+    monkeypatch.setattr(ev, "load_policy", lambda path, device: (ZeroPolicy(), model.load_checkpoint(path)))
     args = ev.Args(ckpt=tuple(paths), labels=("HoRD", "HoRD w/o HCDR"), settings=("in_domain", "zero_shot+dr"),
                    motions=str(folder), seeds=(3, 5), episodes=2, out_dir=str(tmp_path / "out"))
     return args, built
@@ -918,7 +921,7 @@ def tiny_checkpoints(tmp_path_factory, handsup_packets):
     folder = tmp_path_factory.mktemp("ckpt")
     paths = folder / "tiny_teacher.pt", folder / "tiny_student.pt"
     torch.save({"kind": "teacher", "args": dataclasses.asdict(args), "env_cfg": env_cfg, "rng": [],
-                "obs_layout": layout, "model": teacher.Agent(layout, args).state_dict()}, paths[0])
+                "obs_layout": layout, "model": model.Agent(layout, args).state_dict()}, paths[0])
     student_args = dataclasses.replace(student.PRESETS["cpu"], teacher_ckpt=str(paths[0]),
                                        **{k: getattr(args, k) for k in student.MODEL_SIZES})  # as student.train does
     torch.save({"kind": "student", "args": dataclasses.asdict(student_args), "env_cfg": env_cfg,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import pathlib
+import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402
+import model  # noqa: E402
 import ssjr  # noqa: E402
 import export  # noqa: E402
 import student  # noqa: E402
@@ -39,14 +43,14 @@ def perturb_heads(module: torch.nn.Module, seed: int = 1):
     """TokenPolicy starts with a zero head (constant output): give it weights so outputs depend on the inputs."""
     torch.manual_seed(seed)
     for m in module.modules():
-        if isinstance(m, teacher.TokenPolicy):
+        if isinstance(m, model.TokenPolicy):
             torch.nn.init.normal_(m.head[-1].weight, std=0.05)
             torch.nn.init.normal_(m.head[-1].bias, std=0.05)
 
 
 def make_teacher_ckpt(path, layout=LAYOUT, env_cfg=None, perturb=True) -> pathlib.Path:
     torch.manual_seed(0)
-    agent = teacher.Agent(layout, TEACHER_CPU)
+    agent = model.Agent(layout, TEACHER_CPU)
     if perturb:
         perturb_heads(agent)
     torch.save({
@@ -74,7 +78,7 @@ def make_student_ckpt(path, args=CPU) -> tuple[pathlib.Path, student.StudentPoli
 # ---------------------------------------------------------------------------------------------------------------------
 def test_dagger_loss_decreases_on_a_fixed_batch():
     torch.manual_seed(0)
-    agent = teacher.Agent(LAYOUT, TEACHER_CPU)
+    agent = model.Agent(LAYOUT, TEACHER_CPU)
     perturb_heads(agent)
     obs = random_obs(128)
     # as in the env, the reference joint positions (the centre of the teacher's action) show in the keypoints
@@ -105,7 +109,7 @@ def test_checkpoint_round_trip(tmp_path):
 
 def test_bad_teacher_checkpoints_are_clear_errors(tmp_path):
     with pytest.raises(ssjr.InputError, match="nope.pt"):
-        teacher.load_policy(tmp_path / "nope.pt", "cpu")
+        model.load_teacher(tmp_path / "nope.pt", "cpu")
     s_path, _ = make_student_ckpt(tmp_path / "s.pt")
     with pytest.raises(ValueError, match="expected a teacher checkpoint, found 'student'"):
         student.train(dataclasses.replace(CPU, teacher_ckpt=str(s_path)))
@@ -132,7 +136,7 @@ def test_env_cfg_comes_from_the_teacher():
 
 
 def test_the_student_shares_the_teachers_hcdr(tmp_path):
-    agent, _ = teacher.load_policy(make_teacher_ckpt(tmp_path / "t.pt"), "cpu")
+    agent, _ = model.load_teacher(make_teacher_ckpt(tmp_path / "t.pt"), "cpu")
     agent.actor.history_norm.update(torch.randn(100, 93))
     policy = student.StudentPolicy(LAYOUT, CPU)  # sizes: the teacher's
     student.share_teacher_hcdr(policy, agent, "t.pt")
@@ -188,7 +192,7 @@ def test_onnx_export_matches_pytorch(tmp_path, hcdr):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Slow: one Genesis env (16 envs, one real clip) shared by the module; the teacher is an untrained teacher.Agent whose
+# Slow: one Genesis env (16 envs, one real clip) shared by the module; the teacher is an untrained model.Agent whose
 # zero head makes alpha_1 = the reference joint positions: a fixed expert the student must infer from its keypoints.
 # ---------------------------------------------------------------------------------------------------------------------
 N_ENVS = 16
@@ -231,7 +235,7 @@ def test_short_distillation_reduces_action_mse(sim_setup, trained):
     mse = read_log(args.run_dir)["charts/action_mse"]
     assert len(mse) == 8 and np.isfinite(mse).all()
     assert np.mean(mse[-2:]) < 0.5 * mse[0], mse  # rollout MSE to the teacher on the student's own states
-    agent, _ = teacher.load_policy(t_path, "cpu")
+    agent, _ = model.load_teacher(t_path, "cpu")
     policy, ckpt = student.load_policy(trained)
     untrained = copy.deepcopy(policy)  # the same normalizers, the initial zero head: alpha_2 = alpha_0
     torch.nn.init.zeros_(untrained.actor.head[-1].weight)
@@ -337,3 +341,22 @@ def test_action_noise_moves_the_executed_targets(tmp_path):
         student.train(args, env=env)
     noise = sent[0.1][0] - sent[0.0][0]  # same seed: the same first observation and student, the same clean targets
     assert 0.07 < noise.std() < 0.13 and abs(noise.mean()) < 0.03
+
+
+@pytest.mark.slow
+def test_stage_two_runs_from_its_own_files(train_packet, tmp_path):
+    """Stage II copied into another project: a folder with only student.py, model.py, envs.py, ssjr.py, hcdr.py, the
+    MuJoCo scene, one motion packet and a teacher checkpoint (no teacher.py, nothing downloaded) distils a student."""
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    for name in ("student.py", "model.py", "envs.py", "ssjr.py", "hcdr.py", "g1_scene.xml", "models/teacher.pt"):
+        shutil.copy(repo / name, tmp_path)
+    shutil.copy(train_packet, tmp_path / "clip.npz")
+    out = subprocess.run([sys.executable, "student.py", "--preset", "cpu", "--teacher-ckpt", "teacher.pt", "--sim",
+                          "mujoco", "--motions", "clip.npz", "--num-envs", "8", "--num-steps", "4", "--minibatch-size",
+                          "16", "--total-env-steps", "96", "--run-dir", "run"], cwd=tmp_path, capture_output=True,
+                         text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "downloading" not in out.stderr and not (tmp_path / "assets").exists()
+    ckpt = torch.load(tmp_path / "run" / "student.pt", weights_only=False)
+    assert ckpt["iteration"] == 3 and ckpt["env_cfg"]["sim"] == "mujoco"
+    assert sorted(read_log(tmp_path / "run")["iteration"]) == [1, 2, 3]

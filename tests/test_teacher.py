@@ -6,6 +6,7 @@ import torch
 
 import envs
 import ssjr
+import model
 import teacher
 from conftest import read_log
 
@@ -41,14 +42,14 @@ def test_gae_matches_a_hand_computed_example():
 
 def test_policy_shapes_and_residual_action():
     torch.manual_seed(0)
-    agent = teacher.Agent(LAYOUT, small_args())
+    agent = model.Agent(LAYOUT, small_args())
     obs = fake_obs(6)
     dist = agent.dist(obs)
     assert dist.mean.shape == (6, 29) and agent.value(obs).shape == (6,)
     assert torch.allclose(dist.stddev, torch.full((6, 29), torch.tensor(-2.0).exp()))
     # the head starts at zero: the first PD targets are the reference joint positions
     assert torch.allclose(agent.act(obs), obs["ref_dof_pos"])
-    no_hcdr = teacher.Agent(LAYOUT, small_args(no_hcdr=True))
+    no_hcdr = model.Agent(LAYOUT, small_args(no_hcdr=True))
     assert no_hcdr.actor.hcdr is None and no_hcdr.dist(obs).mean.shape == (6, 29)
 
 
@@ -56,16 +57,16 @@ def test_the_psi_reading_teacher_acts_on_psi_and_the_others_do_not():
     torch.manual_seed(0)
     obs, other = fake_obs(4), fake_obs(4)
     for psi_actor in (True, False):
-        agent = teacher.Agent(LAYOUT, small_args(psi_actor=psi_actor))
+        agent = model.Agent(LAYOUT, small_args(psi_actor=psi_actor))
         torch.nn.init.normal_(agent.actor.head[-1].weight, std=0.1)
         moved = agent.act({**obs, "psi": other["psi"]}) - agent.act(obs)
         assert (moved.abs().max() > 1e-3) == psi_actor
-        assert ("psi" in teacher.actor_obs(small_args(psi_actor=psi_actor))) == psi_actor
+        assert ("psi" in agent.actor_obs) == psi_actor
 
 
 def test_ppo_loss_on_a_toy_batch():
     torch.manual_seed(0)
-    agent = teacher.Agent(LAYOUT, small_args())
+    agent = model.Agent(LAYOUT, small_args())
     nn_init = torch.nn.init
     nn_init.normal_(agent.actor.head[-1].weight, std=0.1)
     obs = fake_obs(32)
@@ -95,7 +96,7 @@ def test_ppo_loss_on_a_toy_batch():
 def test_value_normalization_denormalizes_the_critic_for_gae():
     """--value-norm: the critic outputs normalized returns (the loss), V in return units for GAE."""
     torch.manual_seed(0)
-    agent = teacher.Agent(LAYOUT, small_args(value_norm=True))
+    agent = model.Agent(LAYOUT, small_args(value_norm=True))
     agent.value_norm.update(50.0 + 10.0 * torch.randn(4096, 1))
     obs = fake_obs(6)
     raw = agent.value(obs, normalized=True)
@@ -106,20 +107,20 @@ def test_value_normalization_denormalizes_the_critic_for_gae():
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
     with pytest.raises(ssjr.InputError, match="missing.pt"):
-        teacher.load_checkpoint(tmp_path / "missing.pt", "teacher")
+        model.load_checkpoint(tmp_path / "missing.pt", "teacher")
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="junk.pt: not a readable checkpoint"):
-        teacher.load_checkpoint(junk, "teacher")
+        model.load_checkpoint(junk, "teacher")
     other = tmp_path / "student.pt"
     torch.save({"kind": "student"}, other)
     with pytest.raises(ValueError, match="expected a teacher checkpoint, found 'student'"):
-        teacher.load_checkpoint(other, "teacher")
+        model.load_checkpoint(other, "teacher")
     with pytest.raises(ValueError, match="layout mismatch for 'future'"):
-        teacher.check_layout("t.pt", LAYOUT, {**LAYOUT, "future": [8, 500]}, teacher.TEACHER_OBS)
+        model.check_layout("t.pt", LAYOUT, {**LAYOUT, "future": [8, 500]}, teacher.TEACHER_OBS)
     ckpt = {"kind": "teacher", "args": {**dataclasses.asdict(small_args()), "warp_drive": 1}}  # another version's
     with pytest.raises(ValueError, match=r"newer.pt: settings \['warp_drive'\] are unknown"):
-        teacher.checkpoint_args("newer.pt", ckpt, teacher.Args)
+        model.checkpoint_args("newer.pt", ckpt, teacher.Args)
 
 
 def test_minibatch_larger_than_the_rollout_is_refused():
@@ -142,10 +143,10 @@ def test_real_run_learns_resumes_and_is_deterministic(train_packet, tmp_path):
     for k in ("losses/policy_loss", "losses/value_loss", "charts/mean_reward"):
         assert log_b[k][0] == log_a[k][0], k
 
-    policy, ckpt = teacher.load_policy(run_a)
+    policy, ckpt = model.load_teacher(run_a)
     assert ckpt["global_step"] == 2 * per_it and ckpt["obs_layout"]["critic"] == [1236]
     obs = fake_obs(4, torch.Generator().manual_seed(1))
-    again = teacher.Agent(ckpt["obs_layout"], teacher.Args(**ckpt["args"]))
+    again = model.Agent(ckpt["obs_layout"], teacher.Args(**ckpt["args"]))
     again.load_state_dict(ckpt["model"])
     assert torch.allclose(again.eval().act(obs), policy.act(obs), atol=1e-6)
 
@@ -204,41 +205,17 @@ def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeyp
     assert read_log(tmp_path)["iteration"] == list(range(1, 11))
 
 
-def test_the_averaged_model_follows_the_weights_and_changes_no_number(tmp_path, monkeypatch):
-    """--ema-decay: each checkpoint (here kept at every iteration) holds model_ema, the previous one's moved 1 - decay
-    of the way to the current weights and normalizers (decay min(D, (1 + it) / (10 + it))), and teacher_ema.pt holds
-    it as a teacher's weights that load like any; --resume goes on with it; the weights are a plain run's."""
-    from conftest import FakeEnv
-    monkeypatch.setattr(teacher, "robot_motions", lambda motions: motions)
-    monkeypatch.setattr(envs, "make_env", lambda **k: FakeEnv(LAYOUT, 8))
-    common = dict(num_envs=8, num_steps=4, minibatch_size=16, total_env_steps=3 * 32, torch_threads=1, keep_every=1)
-    teacher.main(small_args(run_dir=str(tmp_path / "plain"), **common))
-    teacher.main(small_args(run_dir=str(tmp_path / "ema"), ema_decay=0.75, **common))
-    teacher.main(small_args(resume=str(tmp_path / "ema" / "teacher.pt"), total_env_steps=4 * 32))
-    load = lambda run, name: torch.load(tmp_path / run / name, weights_only=False)
-    assert "model_ema" not in load("plain", "teacher.pt") and not (tmp_path / "plain" / "teacher_ema.pt").exists()
-    for it, decay in ((2, 3 / 12), (3, 4 / 13), (4, 5 / 14)):  # the warm-up: under 0.75 until it 26
-        before, now = load("ema", f"teacher_it{it - 1}.pt"), load("ema", f"teacher_it{it}.pt")
-        if it < 4:
-            assert all(torch.equal(w, load("plain", f"teacher_it{it}.pt")["model"][k]) for k, w in now["model"].items())
-        moved = 0
-        for k, w in now["model"].items():
-            assert torch.allclose(now["model_ema"][k], torch.lerp(before["model_ema"][k], w, 1 - decay), atol=1e-7), k
-            moved += not torch.allclose(now["model_ema"][k], w)
-        assert moved > 10  # the average lags the weights
-    policy, averaged = teacher.load_policy(tmp_path / "ema" / "teacher_ema_it4.pt")
-    assert "rng" not in averaged and all(torch.equal(v, now["model_ema"][k]) for k, v in policy.state_dict().items())
-
-
 def test_a_resumed_run_changes_only_its_budget_device_and_kept_copies():
-    """--resume takes the checkpoint's settings; the budget and --keep-every only when named (not the preset's)."""
-    saved = {"args": dataclasses.asdict(small_args(total_env_steps=1000, keep_every=2, ema_decay=0.5, seed=3))}
+    """--resume takes the checkpoint's settings; the budget and --keep-every only when named (not the preset's). A
+    setting since retired (--ema-decay) in an older checkpoint is ignored."""
+    saved = {"args": {**dataclasses.asdict(small_args(total_env_steps=1000, keep_every=2, actor_lr_max=5e-3, seed=3)),
+                      "ema_decay": 0.0}}
     cpu = dataclasses.replace(teacher.PRESETS["cpu"], resume="run/teacher.pt")
-    bare = teacher.resumed_args(cpu, saved, teacher.PRESETS)
-    assert (bare.total_env_steps, bare.keep_every, bare.ema_decay, bare.run_dir) == (1000, 2, 0.5, "run")
-    named = teacher.resumed_args(dataclasses.replace(cpu, total_env_steps=2000, keep_every=3, ema_decay=0.9, seed=1),
-                                 saved, teacher.PRESETS)
-    assert (named.total_env_steps, named.keep_every, named.ema_decay, named.seed) == (2000, 3, 0.5, 3)
+    bare = model.resumed_args(cpu, saved, teacher.PRESETS)
+    assert (bare.total_env_steps, bare.keep_every, bare.actor_lr_max, bare.run_dir) == (1000, 2, 5e-3, "run")
+    named = model.resumed_args(dataclasses.replace(cpu, total_env_steps=2000, keep_every=3, actor_lr_max=1e-2, seed=1),
+                               saved, teacher.PRESETS)
+    assert (named.total_env_steps, named.keep_every, named.actor_lr_max, named.seed) == (2000, 3, 5e-3, 3)
 
 
 def test_clip_reweighting_follows_the_fall_rates(tmp_path, monkeypatch):
