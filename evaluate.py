@@ -744,8 +744,9 @@ def probe(args: Args, labels: list[str], setting: Setting, motion) -> dict:
             split = torch.tensor([(0, 0, 1, 2)[i % 4] for i in range(env.num_envs)], device=env.device)
             for seed in args.seeds:
                 obs, alive = env.reseed(seed), torch.ones(env.num_envs, dtype=torch.bool, device=env.device)
+                gen = torch.Generator().manual_seed(seed)  # the m_t probes' draws (history_probe)
                 for t in range(PROBE_STEPS[1] + 1):
-                    seen = history_probe(obs, setting.cells, torch.Generator().manual_seed(seed * 1000 + t))
+                    seen = history_probe(obs, setting.cells, gen)
                     if t >= PROBE_STEPS[0] and alive.any():
                         with torch.no_grad():
                             m_t = (actor.hcdr(actor.history_norm(seen["history"]), seen["history_mask"])

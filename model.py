@@ -174,15 +174,19 @@ def load_checkpoint(path, kind: str | tuple[str, ...] = ("teacher", "student")) 
     return ckpt
 
 
-RETIRED_SETTINGS = ("ema_decay",)  # flags since removed (no measured gain): ignored in the checkpoints that have them
+# Older checkpoints: a setting added since takes the value the code had before it (not today's default); a retired
+# one (its lever measured no gain) is dropped.
+ADDED_SETTINGS = {"actor_lr_max": 1e-3}
+RETIRED_SETTINGS = ("ema_decay",)
 
 
 def checkpoint_args(path, ckpt: dict, cls):
     """The checkpoint's settings as `cls` (teacher or student Args); a checkpoint of another version -> one line."""
+    fields = {f.name for f in dataclasses.fields(cls)}
     saved = {k: v for k, v in ckpt["args"].items() if k not in RETIRED_SETTINGS}
-    if unknown := sorted(set(saved) - {f.name for f in dataclasses.fields(cls)}):
+    if unknown := sorted(set(saved) - fields):
         raise InputError(path, f"settings {unknown} are unknown to this version of {cls.__module__}.py")
-    return cls(**saved)
+    return cls(**{**{k: v for k, v in ADDED_SETTINGS.items() if k in fields}, **saved})
 
 
 def resumed_args(args, ckpt: dict, presets: dict):

@@ -52,7 +52,7 @@ class Args:
     """samples per gradient step and rank (gradients averaged over ranks). Default: the paper's table (4096 envs,
     batch 16384, 1 mini-epoch) read as ProtoMotions' batch_size: 8 steps per 131,072 samples, 61k steps per 1e9
     env-steps. The authors' released config: --num-envs 512 --minibatch-size 1024, 16 steps per 16,384 samples, 977k
-    per 1e9 (16x the updates per sample at the same lr)"""
+    per 1e9"""
     update_epochs: int = 1  # passes over each rollout (the paper's 'mini-epochs')
     max_grad_norm: float = 50.0  # gradient clipping
     checkpoint_every: int = 50  # iterations between checkpoints
@@ -74,15 +74,17 @@ class Args:
     """the actor reads the root's linear velocity (privileged, as in the paper); --no-root-velocity (the cpu preset):
     the bodies' velocities relative to the root's, which encoders and an IMU give, so that a student can follow its
     actions (the critic keeps it; docs/experiments.md)"""
-    actor_lr: float = 2e-5  # actor learning rate
+    actor_lr: float = 2e-5  # actor learning rate (the paper's table; with --desired-kl the first one, then adapted)
     critic_lr: float = 1e-4  # critic learning rate
     gamma: float = 0.99  # discount
     gae_lambda: float = 0.95  # GAE lambda
     clip_coef: float = 0.2  # PPO clip range
     vf_coef: float = 1.0  # value loss weight
-    desired_kl: float = 0.0
-    """> 0: before each actor step, scale the lr by 1/1.5 (KL > 2x this) or 1.5 (KL < this/2) (rsl_rl); 0: fixed"""
-    actor_lr_max: float = 1e-3  # the ceiling of that adaptive lr (rsl_rl: 1e-2)
+    desired_kl: float = 0.01
+    """the update rule. > 0: before each actor step, scale the actor lr by 1/1.5 (KL > 2x this) or 1.5 (KL < this/2)
+    (rsl_rl): each iteration moves the policy by about this KL, however many samples it has. 0: the fixed --actor-lr
+    (the paper's table read literally; it barely moves the policy per iteration: docs/experiments.md)"""
+    actor_lr_max: float = 1e-2  # the ceiling of that adaptive lr (rsl_rl's; the cpu preset keeps the older 1e-3)
     log_std: float = -2.9  # fixed log standard deviation of the Gaussian policy
     action_scale: float = 1.0  # alpha = q_ref(t+1) + action_scale * a (rad)
     d_model: int = 512  # transformer width
@@ -107,7 +109,7 @@ PRESETS = {
     "paper": Args(),
     "cpu": Args(preset="cpu", sim="mujoco", device="cpu", terrain="flat", num_envs=64, root_velocity=False,
                 performance_mode=True, total_env_steps=200_000, num_steps=24, minibatch_size=384, update_epochs=1,
-                actor_lr=1e-4, desired_kl=0.01, critic_lr=3e-4, log_std=-2.0,
+                actor_lr=1e-4, actor_lr_max=1e-3, critic_lr=3e-4, log_std=-2.0,
                 d_model=64, num_layers=2, num_heads=4, ff_dim=128, head_dim=256, terrain_dim=64, critic_dim=256,
                 hcdr_dim=32, hcdr_layers=1, checkpoint_every=20, torch_threads=1),
 }

@@ -1,5 +1,6 @@
-"""Training success against env-steps from teacher.py runs' TensorBoard logs: a table of the env-steps and iterations
-at which a moving mean (20 iterations) first reaches each threshold, and one figure of all runs.
+"""Training curves of teacher.py runs from their TensorBoard logs: a table of the env-steps and iterations at which a
+moving mean (20 iterations) of training success first reaches each threshold, and one figure of all runs against
+env-steps (top) and iterations (bottom).
 
     python docs/training_curves.py --runs NAME=DIR ... --out docs/training_curves.png
 """
@@ -61,18 +62,21 @@ def main(args: Args):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, len(args.tags), figsize=(5 * len(args.tags), 4))
+        fig, axes = plt.subplots(2, len(args.tags), figsize=(4.5 * len(args.tags), 7), squeeze=False)
         for color, (name, members) in zip(plt.cm.tab10.colors, curves.items()):
             for i, (run_dir, _, _) in enumerate(members):
-                for ax, tag in zip(axes, args.tags):
+                for col, tag in enumerate(args.tags):
                     steps, values = scalars(run_dir, tag)
-                    ax.plot(steps / 1e6, moving_mean(values, args.window), color=color, label=name if i == 0 else None)
-        for ax, tag in zip(axes, args.tags):
-            ax.set(xlabel="env-steps (M)", title=f"{tag} ({args.window}-iteration mean)")
-            ax.set_yscale("log" if tag in ("losses/approx_kl", "losses/actor_lr") else "linear")
-        axes[0].legend(fontsize=8)
+                    smooth = moving_mean(values, args.window)
+                    for row, x in enumerate((steps / 1e6, np.arange(1, len(steps) + 1))):
+                        axes[row, col].plot(x, smooth, color=color, label=name if i == 0 else None)
+        for col, tag in enumerate(args.tags):
+            for row, xlabel in enumerate(("env-steps (M)", "iterations (policy updates)")):
+                axes[row, col].set(xlabel=xlabel, title=f"{tag} ({args.window}-it mean)" if row == 0 else None)
+                axes[row, col].set_yscale("log" if tag.startswith("losses/") else "linear")
+        axes[0, 0].legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(args.out, dpi=110)
+        fig.savefig(args.out, dpi=100)
         print(f"wrote {args.out}")
 
 

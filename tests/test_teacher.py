@@ -206,8 +206,8 @@ def test_a_crash_keeps_the_last_finished_iteration_and_resumes(tmp_path, monkeyp
 
 
 def test_a_resumed_run_changes_only_its_budget_device_and_kept_copies():
-    """--resume takes the checkpoint's settings; the budget and --keep-every only when named (not the preset's). A
-    setting since retired (--ema-decay) in an older checkpoint is ignored."""
+    """--resume takes the checkpoint's settings; the budget and --keep-every only when named (not the preset's). In
+    an older checkpoint a setting since retired (--ema-decay) is ignored, one added since takes its value of then."""
     saved = {"args": {**dataclasses.asdict(small_args(total_env_steps=1000, keep_every=2, actor_lr_max=5e-3, seed=3)),
                       "ema_decay": 0.0}}
     cpu = dataclasses.replace(teacher.PRESETS["cpu"], resume="run/teacher.pt")
@@ -216,6 +216,8 @@ def test_a_resumed_run_changes_only_its_budget_device_and_kept_copies():
     named = model.resumed_args(dataclasses.replace(cpu, total_env_steps=2000, keep_every=3, actor_lr_max=1e-2, seed=1),
                                saved, teacher.PRESETS)
     assert (named.total_env_steps, named.keep_every, named.actor_lr_max, named.seed) == (2000, 3, 5e-3, 3)
+    older = {"args": {k: v for k, v in saved["args"].items() if k != "actor_lr_max"}}  # from before the setting
+    assert model.resumed_args(cpu, older, teacher.PRESETS).actor_lr_max == 1e-3 != teacher.Args().actor_lr_max
 
 
 def test_clip_reweighting_follows_the_fall_rates(tmp_path, monkeypatch):
