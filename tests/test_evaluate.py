@@ -848,6 +848,7 @@ class JudgedStates:
 
 class ReferencePolicy:
     """PD targets = the next reference joint angles: no learning, but a deterministic, meaningful actor."""
+    actor_obs = ZeroPolicy.actor_obs
 
     def act(self, obs):
         return obs["ref_dof_pos"]
