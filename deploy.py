@@ -39,16 +39,17 @@ class Policy:
                              "(re-export it with `python export.py`)")
         self.meta, self.contract = meta, meta["contract"]
         self.input_names = [i.name for i in self.session.get_inputs()]
-        c = self.contract
         self.kp, self.kd, self.effort_limit_nm = (np.asarray(meta[k]) for k in ("kp", "kd", "effort_limit_nm"))
-        self.keypoint_steps = np.asarray(c["keypoint_steps"])
-        self.proprio_len, self.history_len = c["proprio_steps"], c["history_len"]
+        self.alpha_clamp_rad = meta.get("alpha_clamp_rad")  # the contract's clipping (None in older exports: none)
+        self.keypoint_steps = np.asarray(self.contract["keypoint_steps"])
+        self.proprio_len, self.history_len = self.contract["proprio_steps"], self.contract["history_len"]
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """alpha [29] and the command Y_t the graph computed, for one robot."""
+        """alpha [29] as sent (clamped where the contract says so) and the command Y_t the graph computed."""
         feed = {k: inputs[k][None] for k in self.input_names}
         alpha, keypoints = self.session.run(["alpha", "student_keypoints"], feed)
-        return alpha[0].astype(np.float64), keypoints[0]
+        alpha = alpha[0].astype(np.float64)
+        return (alpha if self.alpha_clamp_rad is None else np.clip(alpha, *self.alpha_clamp_rad)), keypoints[0]
 
 
 class Command:
@@ -63,20 +64,18 @@ class Command:
         if str(packet.get("kind", "robot")) != "robot":
             raise SystemExit(f"error: {path}: a human keypoint command has no robot start state: deploy plays robot "
                              "motions (SSJR packets from `python ssjr.py convert`)")
-        bodies = list(packet["body_names"])
-        order = [bodies.index(n) for n in policy.meta["body_names"]]  # the contract's body order, by name
-        fps, n = float(packet["fps"]), len(packet["dof_pos"])
+        bodies, meta = list(packet["body_names"]), policy.meta
+        order = [bodies.index(n) for n in meta["body_names"]]  # the contract's body order, by name
+        fps, n, dt = float(packet["fps"]), len(packet["dof_pos"]), meta["control_dt_s"]
         # tick k at time k * control_dt_s, linear between the two nearest frames, up to the last frame (the contract)
-        x = np.minimum(np.arange(int(np.floor((n - 1) / fps / policy.meta["control_dt_s"] + 1e-4)) + 1)
-                       * policy.meta["control_dt_s"] * fps, n - 1)
+        x = np.minimum(np.arange(int(np.floor((n - 1) / fps / dt + 1e-4)) + 1) * dt * fps, n - 1)
         i0 = np.floor(x + 1e-6).astype(int)
         i1, w = np.minimum(i0 + 1, n - 1), np.clip(x - i0, 0.0, 1.0)[:, None, None]
         pos = packet["body_pos_w"][:, order]
         self.body_pos_w = pos[i0] + w.astype(np.float32) * (pos[i1] - pos[i0])  # [ticks, bodies, 3], for scoring
-        names = policy.meta["body_names"]
-        self.keypoints_w = self.body_pos_w[:, [names.index(n) for n in policy.meta["keypoint_names"]]]
+        self.keypoints_w = self.body_pos_w[:, [meta["body_names"].index(n) for n in meta["keypoint_names"]]]
         self.num_ticks = len(self.body_pos_w)
-        dofs = [list(packet["dof_names"]).index(n) for n in policy.meta["dof_names"]]
+        dofs = [list(packet["dof_names"]).index(n) for n in meta["dof_names"]]
         pelvis = bodies.index("pelvis")
         self.start = {k: packet[k][0, pelvis] for k in ("body_pos_w", "body_quat_w", "body_lin_vel_w",
                                                           "body_ang_vel_w")}
@@ -110,8 +109,7 @@ class Robot:
         mujoco.mj_step1(self.model, d)
 
     def read(self, data: mujoco.MjData | None = None) -> dict[str, np.ndarray]:
-        """What the robot measures now (`data` current: after mj_step1 or mj_forward). Exact here; on the robot the
-        root pose is an estimate."""
+        """The readings now (`data` current: after mj_step1 or mj_forward); on a robot the root pose is an estimate."""
         d = self.data if data is None else data
         return {"q": d.qpos[self.qpos_idx].copy(), "qd": d.qvel[self.qvel_idx].copy(),
                 "gyro": d.sensor("imu_ang_vel").data.copy(),  # pelvis frame, rad/s

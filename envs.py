@@ -20,8 +20,7 @@ MJCF with our joint table (gains, armature, damping, friction), floor friction a
 | Genesis         | approximate implicitfast | 25 iterations, 50 line search             | Genesis' default 0.01 s     |
 | genesis_aligned | as Genesis               | as Genesis                                | CONTACT_TIMECONST_S 0.02 s  |
 Collision: Genesis runs its own narrow phase on the MJCF capsules; Isaac Lab and MuJoCo run MuJoCo's. Genesis' loader
-defaults (armature 0.1, no joint damping or friction) and its self-collision are overridden, as on every engine. The
-contact time constant is per episode only on MuJoCo; elsewhere it is one value per scene, and psi records that value.
+defaults (armature 0.1, no joint damping or friction, self-collision) are overridden like every engine's.
 
 Observations per env (P=535, F=569, S=64, J=len(ssjr.KEYPOINT_NAMES); heading frame = root frame with yaw only):
 | key               | shape      | content                                                                         |
@@ -69,9 +68,8 @@ SPARSE_STATE_DIM = 2 * NUM_DOF + 3 + 3  # s: dof pos, dof vel, gyro, gravity dir
 PROPRIO_DIM = 1 + (NUM_BODIES - 1) * 3 + NUM_BODIES * (6 + 3 + 3) + 2 * NUM_DOF + NUM_DOF  # P in the table above
 DECIMATION = 4  # 50 Hz policy
 CONTROL_DT_S = PHYSICS_DT_S * DECIMATION
-# episode starts: uniform (training) | frame 0 (evaluation): env i plays clips i, i+N, ..., and every episode draws its
-# psi, tile, pushes and noise from its own stream seeded by (seed, clip, episode), so that episodes are independent and
-# two policies evaluated with the same seed meet the same draws (paired episodes)
+# episode starts: uniform (training) | frame 0 (evaluation): env i plays clips i, i+N, ...; each episode draws psi,
+# tile, pushes and noise from a stream seeded by (seed, clip, episode): independent episodes, paired across policies
 START_MODES = ("random", "frame0")
 SIMS = ("isaaclab", "genesis", "genesis_aligned", "mujoco")  # the engines (adapters below; the table above)
 START_MARGIN_S = 1.0  # episodes start at least this long before their clip ends (shorter clips: at frame 0)
@@ -90,12 +88,8 @@ JOINT_FRICTION = 0.03  # N m, dry friction (frictionloss)
 JOINT_DAMPING = 0.05  # N m s/rad, passive joint damping (on top of the PD's kd)
 FEET = ("left_ankle_roll_link", "right_ankle_roll_link")  # the links whose friction is the ground-foot friction
 GROUND_FRICTION = 0.01  # every engine: contact friction = max of the pair, so the feet's friction decides
-# Contact softness: the time constant of MuJoCo's default solref (nominal psi), which Isaac Lab (MJWarp) applies to
-# the MJCF's geoms; Genesis' own default is 0.01 s (stiffer): genesis_aligned runs Genesis at this value
-CONTACT_TIMECONST_S = 0.02
-# Self-collision off in both engines: faster stepping, and retargeted dance clips often pass a hand through the torso,
-# which a colliding robot cannot track anyway.
-SELF_COLLISION = False
+CONTACT_TIMECONST_S = 0.02  # s, MuJoCo's default solref time constant: nominal psi (per engine: the table above)
+SELF_COLLISION = False  # faster, and retargeted dance clips often pass a hand through the torso (untrackable anyway)
 # The MuJoCo scene that envs.py and deploy.py both load: shipped, so a deployment steps the physics training saw.
 SCENE_XML = pathlib.Path(__file__).resolve().parent / "g1_scene.xml"
 IMU_SENSORS = ("imu_ang_vel", "imu_upvector")  # the pelvis IMU: gyro (pelvis frame), world z axis in the pelvis frame
@@ -108,10 +102,9 @@ def joint_table(device="cpu"):
     return tuple(torch.tensor(rows, device=device).T)
 
 
-# Reward (paper App. C): r = sum_i w_i exp(c_i * err_i) - 5e-6 * sum |tau * qdot|; err_i are mean squared errors,
-# averaged over bodies and over the x/y/z (or angle) components (the paper says "mean_err"; ProtoMotions sums x/y/z,
-# a 3x stricter kernel for the same coefficient). Ours where the paper is silent: RT's weight 0.2 (as RH; the paper
-# gives its coefficient, -120), the GV/GAV coefficients (ProtoMotions' defaults).
+# Reward (paper App. C): r = sum_i w_i exp(c_i * err_i) - 5e-6 * sum |tau * qdot|; err_i: mean squared errors over
+# bodies and x/y/z (or angle) components (paper: "mean_err"; ProtoMotions sums x/y/z, a 3x stricter kernel). Ours where
+# the paper is silent: RT's weight 0.2 (as RH; the paper gives its coefficient), GV/GAV coefficients (ProtoMotions').
 REWARD_WEIGHTS = {"gt": 0.5, "gr": 0.4, "gv": 0.1, "gav": 0.1, "rh": 0.2, "rt": 0.2}
 REWARD_COEFFS = {"gt": -100.0, "gr": -10.0, "gv": -0.5, "gav": -0.1, "rh": -100.0, "rt": -120.0}
 POWER_PENALTY = 5e-6
@@ -124,9 +117,8 @@ TERMINATIONS = ("max", "mean")
 @dataclass
 class DR:
     """Episode-level domain randomization ranges (paper Table 5): psi is sampled per env at reset, fixed for the
-    episode. Sensor noise (the paper's "observation noise", gaussian std): one draw per reading of the sparse state s
-    (joint encoders, IMU) and of the command, carried unchanged through every stack that holds that reading (proprio,
-    student_proprio, history); the last PD target is known exactly and the privileged body states stay clean."""
+    episode. Sensor noise (the paper's "observation noise", gaussian std): one draw per reading of s (encoders, IMU)
+    and of the command, kept in every stack that holds it; the last PD target is exact, privileged states are clean."""
     delay_steps: tuple[int, int] = (0, 3)  # control delay, physics steps (inclusive integer range)
     mass_scale: tuple[float, float] = (0.9, 1.1)  # scale of every body's mass
     joint_scale: tuple[float, float] = (0.9, 1.1)  # scale of joint damping, armature and friction
@@ -134,8 +126,7 @@ class DR:
     kd_scale: tuple[float, float] = (0.9, 1.1)  # scale of the PD damping
     gravity_mps2: tuple[float, float] = (9.7, 9.9)  # magnitude of gravity (down)
     friction: tuple[float, float] = (0.6, 1.2)  # ground-foot friction (the paper names the term, not its range)
-    # contact softness (the paper's "contact stiffness"): MuJoCo's solref time constant, s; 0.01 s is the floor at
-    # 200 Hz (2 physics steps). Per episode on MuJoCo; Genesis and Isaac Lab keep one value per scene
+    # the paper's "contact stiffness": solref time constant, s (floor: 2 physics steps); per scene except on MuJoCo
     contact_timeconst_s: tuple[float, float] = (0.01, 0.03)
     com_offset_m: float = 0.03  # torso centre-of-mass shift, uniform in +-this per axis
     push_interval_s: tuple[float, float] = (5.0, 10.0)  # time between pushes
@@ -152,8 +143,7 @@ class DR:
 
     @classmethod
     def noise_only(cls) -> "DR":
-        """Nominal dynamics (NOMINAL_PSI, no pushes) with this sensor noise: the deterministic policy's nominal
-        behaviour as a rate over independent episodes, where a nominal setting is one trajectory."""
+        """Nominal dynamics, no pushes, sensor noise: nominal behaviour as a rate over episodes, not one trajectory."""
         return cls(**{k: (v, v) for k, v in NOMINAL_PSI.items()}, com_offset_m=0.0, push_interval_s=(1e9, 1e9))
 
     def sensor_std(self) -> torch.Tensor:
@@ -165,7 +155,6 @@ class DR:
 PSI_KEYS = ("delay_steps", "mass_scale", "joint_scale", "kp_scale", "kd_scale", "gravity_mps2", "friction",
             "com_offset_x_m", "com_offset_y_m", "com_offset_z_m", "contact_timeconst_s")  # drawn in this order
 BODY_PSI_KEYS = ("mass_scale", "joint_scale", "com_offset_x_m", "com_offset_y_m", "com_offset_z_m")  # see DR
-# the nominal dynamics: no delay, unit scales, earth gravity, friction 1, MuJoCo's contact (and no CoM offset)
 NOMINAL_PSI = dict(delay_steps=0, mass_scale=1.0, joint_scale=1.0, kp_scale=1.0, kd_scale=1.0, gravity_mps2=9.81,
                    friction=1.0, contact_timeconst_s=CONTACT_TIMECONST_S)
 
@@ -179,7 +168,7 @@ def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str,
     """psi ~ P(Psi) for n episodes; dr=None gives the nominal dynamics (the 'w/o DR' ablation, and clean evaluation)."""
     if dr is None:
         return {k: torch.full((n,), float(NOMINAL_PSI.get(k, 0.0)), device=device) for k in PSI_KEYS}
-    lo, hi = dr.delay_steps  # then the scales, gravity and friction, the CoM offset, the contact (PSI_KEYS order)
+    lo, hi = dr.delay_steps
     if not 0 <= lo <= hi <= MAX_DELAY_STEPS:
         raise InputError("delay_steps", f"{dr.delay_steps}: the delay line holds 0..{MAX_DELAY_STEPS} physics steps")
     return {"delay_steps": torch.randint(lo, hi + 1, (n,), generator=gen, device=device).float(),
@@ -191,8 +180,7 @@ def sample_psi(dr: DR | None, n: int, gen: torch.Generator, device) -> dict[str,
 # --- Terrain: one heightfield of square tiles shared by all envs; each env spawns on a tile drawn from the mix.
 TERRAIN_TYPES = ("flat", "smooth_slope", "rough_slope")
 TERRAIN_MIX = {"flat": 0.5, "smooth_slope": 0.25, "rough_slope": 0.25}  # paper's training mix
-SCAN_XY_M = torch.stack(torch.meshgrid(torch.linspace(-0.5, 0.5, 11), torch.linspace(-0.5, 0.5, 11),
-                                       indexing="ij"), -1).reshape(-1, 2)  # g_t sample points in the heading frame
+SCAN_XY_M = torch.cartesian_prod(*[torch.linspace(-0.5, 0.5, 11)] * 2)  # g_t sample points in the heading frame
 
 
 @dataclass
@@ -286,8 +274,10 @@ def resolve_motions(motions) -> list[pathlib.Path]:
 
 # --- Engine adapters: step physics with given joint torques, read and write state. Nothing task-specific.
 class EngineSim:
-    """What the adapters share: states in MuJoCo joint and body order, as float32 tensors on the env's device.
-    contact_timeconst_s: the scene's one contact time constant, or None where set_contact_timeconst sets it per env."""
+    """What the adapters share: states in MuJoCo joint and body order, as float32 tensors on the env's device. DR writes
+    per env: body masses [n,30] (inertias scale alike: a heavier body of the same shape), torso CoM offset [n,3] (body
+    frame), ground-foot friction [n], joint armature, damping and frictionloss [n,29]. nan_envs(): the envs blown up
+    since its last call. contact_timeconst_s: the scene's one value; None: set per env by set_contact_timeconst."""
     dof_names, body_names = ssjr.DOF_NAMES, ssjr.BODY_NAMES
     contact_timeconst_s: float | None = CONTACT_TIMECONST_S
 
@@ -299,8 +289,8 @@ class GenesisSim(EngineSim):
     """Genesis (gs.Scene + the G1 MJCF entity). CPU here, CUDA where available; every DR term batched per env."""
     performance_mode = False  # the mode gs.init ran with in this process (one per process)
 
-    def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S,
-                 performance_mode: bool = False, contact_timeconst_s: float | None = None):
+    def __init__(self, num_envs: int, device: str, terrain: Terrain, performance_mode: bool = False,
+                 contact_timeconst_s: float | None = None):
         import genesis as gs
         import quadrants  # Genesis' kernel compiler (imported by genesis)
         if not getattr(gs, "_initialized", False):
@@ -320,12 +310,11 @@ class GenesisSim(EngineSim):
         elif GenesisSim.performance_mode != performance_mode:
             raise ValueError(f"Genesis runs with performance_mode={GenesisSim.performance_mode} in this process")
         self.num_envs, self.device = num_envs, torch.device(device)
-        # Genesis' own solver and contact settings (None: its default time constant); batched DR, no self-collision
         contact = {} if contact_timeconst_s is None else {"constraint_timeconst": contact_timeconst_s}
         rigid = gs.options.RigidOptions(batch_links_info=True, batch_dofs_info=True, batch_joints_info=True,
                                         enable_self_collision=SELF_COLLISION, **contact)
         self.contact_timeconst_s = rigid.constraint_timeconst
-        self.scene = gs.Scene(sim_options=gs.options.SimOptions(dt=dt_s, substeps=1), rigid_options=rigid,
+        self.scene = gs.Scene(sim_options=gs.options.SimOptions(dt=PHYSICS_DT_S, substeps=1), rigid_options=rigid,
                               show_viewer=False)
         ground = gs.morphs.Plane() if terrain.is_flat else gs.morphs.Terrain(
             height_field=terrain.heights_m, horizontal_scale=terrain.cell_m, vertical_scale=1.0,
@@ -382,7 +371,6 @@ class GenesisSim(EngineSim):
         self.scene.sim.set_gravity(g_w, envs_idx=env_ids)
 
     def set_body_mass(self, env_ids, mass_kg):
-        """Masses [n,30]; inertias scale with the same per-body ratio (a heavier body of the same shape)."""
         self.scene.sim.rigid_solver.set_links_mass(mass_kg, self.links_global, envs_idx=env_ids, scale_inertia=True)
 
     def set_com_offset(self, env_ids, offset_m):
@@ -398,7 +386,6 @@ class GenesisSim(EngineSim):
         self.robot.set_dofs_frictionloss(frictionloss, self.dofs, envs_idx=env_ids)
 
     def nan_envs(self):
-        """Envs the engine flagged (non-finite forces or accelerations) since the last call."""
         blown_up, self._blown_up = self._blown_up, torch.zeros_like(self._blown_up)
         return blown_up
 
@@ -407,9 +394,8 @@ class GenesisSim(EngineSim):
 
 
 def _g1_usd_path() -> pathlib.Path:
-    """The G1 MJCF converted to USD once (Isaac Lab MjcfConverter, MuJoCo physics variant), cached in assets/ and
-    renamed into place when complete. Must run before any other USD stage exists in the process (else the converter
-    misses the PhysxJointAPI schema)."""
+    """The G1 MJCF converted to USD once (MuJoCo physics variant), cached in assets/. Must run before any other USD
+    stage exists in the process (else the converter misses the PhysxJointAPI schema)."""
     xml = ssjr.g1_mjcf_path()
     settings = dict(fix_base=False, physics_variant="mujoco", self_collision=SELF_COLLISION)
     digest = hashlib.sha1(xml.read_bytes() + repr(sorted(settings.items())).encode()).hexdigest()[:10]
@@ -459,13 +445,12 @@ def _write_ground_usd(path: pathlib.Path, terrain) -> None:
 
 class IsaacLabSim(EngineSim):
     """Isaac Lab 3.0, kit-less Newton/MuJoCo-Warp physics (PhysX needs Isaac Sim): the G1 USD cloned N times in one
-    InteractiveScene at env spacing 0 (Newton worlds never collide) over a local ground; every joint has an implicit
-    actuator with zero gains, so step(tau) is a pure torque step. Handled here: xyzw quaternions and Isaac Lab's
-    joint/body order (remapped by name); link-frame velocities (d/dt body_pos), not the centres of mass'; ground
-    friction 0, so the feet's is the ground-foot friction; MuJoCo's passive joint damping/frictionloss. Joints start
-    with zero armature/damping/frictionloss at q = 0: call `set_joint_params` and `write_state` before stepping."""
+    InteractiveScene at env spacing 0 (Newton worlds never collide); every joint has an implicit actuator with zero
+    gains, so step(tau) is a pure torque step. Handled here: xyzw quaternions, Isaac Lab's joint/body order (remapped by
+    name), link-frame velocities (d/dt body_pos, not the centres of mass'). Joints start at q = 0 with zero armature,
+    damping and frictionloss: set_joint_params and write_state first."""
 
-    def __init__(self, num_envs: int, device: str, terrain, dt_s: float = PHYSICS_DT_S):
+    def __init__(self, num_envs: int, device: str, terrain):
         import warp as wp
         wp.config.quiet = True  # Warp's banner; its native init warns on stderr where there is no CUDA driver:
         with open(os.devnull, "w") as null:  # neither is for users, so it runs with fd 2 on /dev/null
@@ -488,10 +473,10 @@ class IsaacLabSim(EngineSim):
         warnings.filterwarnings("ignore", "Newton shape color replacement", FutureWarning)  # Isaac Lab's own note
         if sim_utils.SimulationContext.instance() is not None:
             raise RuntimeError("an Isaac Lab SimulationContext already exists in this process: close() it first")
-        self.num_envs, self.device, self.dt_s = num_envs, torch.device(device), dt_s
+        self.num_envs, self.device, self.dt_s = num_envs, torch.device(device), PHYSICS_DT_S
         physics = NewtonCfg(solver_cfg=MJWarpSolverCfg(njmax=300, nconmax=60, ls_iterations=50,
                                                        cone="pyramidal", integrator="implicitfast"))
-        sim_cfg = sim_utils.SimulationCfg(dt=dt_s, device=str(device), physics=physics)
+        sim_cfg = sim_utils.SimulationCfg(dt=PHYSICS_DT_S, device=str(device), physics=physics)
         self._launch = contextlib.ExitStack()
         self._launch.enter_context(launch_simulation(sim_cfg, {"headless": True, "device": str(device)}))
         usd = _g1_usd_path()  # before any other stage
@@ -577,31 +562,25 @@ class IsaacLabSim(EngineSim):
         self.sim.physics_manager.add_model_change(self._model_flags.MODEL_PROPERTIES)
 
     def set_body_mass(self, env_ids, mass_kg) -> None:
-        ids = self._ids(env_ids)
-        m = self._isaac(mass_kg, self._body_inv)
+        ids, m = self._ids(env_ids), self._isaac(mass_kg, self._body_inv)
         inertia = self._default_inertia[ids.long()] * (m / self._default_mass_isaac[ids.long()])[..., None]
         self.robot.set_masses_index(masses=m, env_ids=ids)
         self.robot.set_inertias_index(inertias=inertia.contiguous(), env_ids=ids)
 
     def set_com_offset(self, env_ids, offset_m) -> None:
-        """Torso centre-of-mass offset [n,3] (body frame) from the asset's COM."""
         ids = self._ids(env_ids)
         com = self._default_com[ids.long(), self._torso_isaac] + self._isaac(offset_m)
         self.robot.set_coms_index(coms=com[:, None].contiguous(), body_ids=[self._torso_isaac], env_ids=ids)
 
     def set_friction(self, env_ids, mu) -> None:
-        """Ground-foot friction coefficient [n] (written on every foot collision shape)."""
         self._shape_mu[self._ids(env_ids).long()[:, None], self._foot_shapes] = self._isaac(mu)[:, None]
         self.sim.physics_manager.add_model_change(self._model_flags.SHAPE_PROPERTIES)
 
     def set_joint_params(self, env_ids, armature, damping, frictionloss) -> None:
-        """Per-env joint armature [kg m^2], passive damping [N m s/rad], dry friction [N m]; [n,29] MuJoCo order."""
-        ids, robot = self._ids(env_ids), self.robot
-        robot.write_joint_armature_to_sim_index(armature=self._isaac(armature, self._dof_inv), env_ids=ids)
-        robot.write_joint_viscous_friction_coefficient_to_sim_index(
-            joint_viscous_friction_coeff=self._isaac(damping, self._dof_inv), env_ids=ids)
-        robot.write_joint_friction_coefficient_to_sim_index(
-            joint_friction_coeff=self._isaac(frictionloss, self._dof_inv), env_ids=ids)
+        ids, (a, b, c) = self._ids(env_ids), (self._isaac(x, self._dof_inv) for x in (armature, damping, frictionloss))
+        self.robot.write_joint_armature_to_sim_index(armature=a, env_ids=ids)
+        self.robot.write_joint_viscous_friction_coefficient_to_sim_index(joint_viscous_friction_coeff=b, env_ids=ids)
+        self.robot.write_joint_friction_coefficient_to_sim_index(joint_friction_coeff=c, env_ids=ids)
 
     def nan_envs(self) -> torch.Tensor:
         data = self.robot.data  # envs with a non-finite joint or root state
@@ -616,10 +595,9 @@ class IsaacLabSim(EngineSim):
 
 
 def mujoco_scene_xml() -> str:
-    """The G1 MJCF as one self-contained MuJoCo scene with the physics every engine here runs: our joint armature,
-    passive damping and dry friction, no self-collision (robot geoms touch only the floor), 200 Hz implicitfast, a floor
-    of friction GROUND_FRICTION; the visual meshes dropped (collision is capsules and spheres, inertias are explicit)
-    and the pelvis IMU kept. `python envs.py scene` writes it to g1_scene.xml; a test checks the shipped file."""
+    """The G1 MJCF as one self-contained MuJoCo scene with the physics every engine here runs (our joint constants,
+    floor, 200 Hz implicitfast), visual meshes dropped (collision is capsules and spheres, inertias are explicit).
+    `python envs.py scene` writes it to g1_scene.xml; a test checks the shipped file."""
     import mujoco
     spec = mujoco.MjSpec.from_file(str(ssjr.g1_mjcf_path()))
     for element in ([g for g in spec.geoms if g.type == mujoco.mjtGeom.mjGEOM_MESH] + list(spec.meshes)
@@ -628,7 +606,7 @@ def mujoco_scene_xml() -> str:
     for joint in spec.joints[1:]:  # joint 0: the free base
         joint.armature, joint.damping[0], joint.frictionloss = ARMATURE, JOINT_DAMPING, JOINT_FRICTION
     for geom in spec.geoms:
-        geom.conaffinity = 0
+        geom.conaffinity = 0  # no self-collision: robot geoms touch only the floor
     spec.option.timestep, spec.option.integrator = PHYSICS_DT_S, mujoco.mjtIntegrator.mjINT_IMPLICITFAST
     spec.worldbody.add_geom(name="floor", type=mujoco.mjtGeom.mjGEOM_PLANE, size=[0, 0, 0.05],
                             friction=[GROUND_FRICTION, 0.005, 0.0001])
@@ -638,19 +616,16 @@ def mujoco_scene_xml() -> str:
 
 class MuJoCoSim(EngineSim):
     """MuJoCo on the CPU: one MjModel and MjData per env (each env's DR writes go to its own model), stepped in loops
-    over slices of the envs, one per core this process may use (this thread steps one, a pool the others; MuJoCo
-    releases the GIL). The scene is SCENE_XML, plus a heightfield for non-flat terrain. Each step is mj_step2 then
-    mj_step1, so positions, velocities and kinematics are always those of the current state. MuJoCo resets an env whose
-    state goes bad (non-finite, huge accelerations) by itself, with a warning: nan_envs() reports those envs like the
-    other engines' blow-ups. The contact time constant is per env (psi), on every geom's solref."""
+    over slices of the envs, one per core this process may use (MuJoCo releases the GIL). Each step is mj_step2 then
+    mj_step1, so positions, velocities and kinematics are always those of the current state. MuJoCo resets a bad state
+    (non-finite, huge accelerations) itself, with a warning: nan_envs() reports it as a blow-up."""
     contact_timeconst_s = None
 
-    def __init__(self, num_envs: int, device: str, terrain: Terrain, dt_s: float = PHYSICS_DT_S):
+    def __init__(self, num_envs: int, device: str, terrain: Terrain):
         import mujoco
         mujoco.set_mju_user_warning(lambda text: None)  # bad states are counted (nan_envs), not appended to a log file
         self.mj, self.num_envs, self.device = mujoco, num_envs, torch.device(device)
         spec = mujoco.MjSpec.from_file(str(SCENE_XML))
-        spec.option.timestep = dt_s
         if not terrain.is_flat:  # MuJoCo hfield rows run along y: heights_m.T; elevation from the lowest point
             h = terrain.heights_m.astype(np.float64)
             (nx, ny), lo, span = h.shape, float(h.min()), max(float(np.ptp(h)), 1e-6)
@@ -668,8 +643,7 @@ class MuJoCoSim(EngineSim):
         ids = {name: mujoco.mj_name2id(base, mujoco.mjtObj.mjOBJ_BODY, name) for name in ssjr.BODY_NAMES}
         self.bodies = np.array([ids[name] for name in ssjr.BODY_NAMES])
         self.pelvis, self.torso = ids["pelvis"], ids["torso_link"]  # pelvis: the free base, root of the robot's tree
-        # qpos 7.., qvel 6.. in our order
-        assert [base.joint(i + 1).name for i in range(ssjr.NUM_DOF)] == list(ssjr.DOF_NAMES)
+        assert [base.joint(i + 1).name for i in range(NUM_DOF)] == list(ssjr.DOF_NAMES)  # qpos 7.., qvel 6..: ours
         self.feet = np.flatnonzero(np.isin(base.geom_bodyid, [ids[f] for f in FEET]))
         self.default_body_mass_kg = self._t(base.body_mass[self.bodies]).expand(num_envs, -1).clone()
         self._default_inertia, self._default_torso_com = base.body_inertia.copy(), base.body_ipos[self.torso].copy()
@@ -690,6 +664,13 @@ class MuJoCoSim(EngineSim):
             self.mj.mj_setConst(m, self._scratch)
         self.mj.mj_step1(m, d)
         self._q[i], self._qd[i] = d.qpos[7:], d.qvel[6:]
+
+    def _envs(self, env_ids, *xs, masses: bool = False):
+        """(model, data, rows of xs in float64) of each env of env_ids, refreshed once the caller wrote it."""
+        xs = [x.cpu().double().numpy() for x in xs]
+        for k, i in enumerate(env_ids.tolist()):
+            yield self.models[i], self.datas[i], *(x[k] for x in xs)
+            self._refresh(i, masses)
 
     def step(self, tau_nm: torch.Tensor) -> None:
         tau = tau_nm.detach().cpu().double().numpy()
@@ -721,55 +702,38 @@ class MuJoCoSim(EngineSim):
 
     def write_state(self, env_ids, root_pos, root_quat, root_lin_vel, root_ang_vel, q, qd) -> None:
         # free joint: position, wxyz quaternion; linear velocity in the world frame, angular in the root's own frame
-        qpos = torch.cat([root_pos, root_quat, q], -1).cpu().double().numpy()
-        qvel = torch.cat([root_lin_vel, quat_apply(quat_conj(root_quat), root_ang_vel), qd], -1).cpu().double().numpy()
-        for k, i in enumerate(env_ids.tolist()):
-            d = self.datas[i]
-            d.qpos[:], d.qvel[:], d.qacc_warmstart[:], d.qfrc_applied[:] = qpos[k], qvel[k], 0.0, 0.0
-            self._refresh(i)
+        qvel = torch.cat([root_lin_vel, quat_apply(quat_conj(root_quat), root_ang_vel), qd], -1)
+        for _, d, qpos_k, qvel_k in self._envs(env_ids, torch.cat([root_pos, root_quat, q], -1), qvel):
+            d.qpos[:], d.qvel[:], d.qacc_warmstart[:], d.qfrc_applied[:] = qpos_k, qvel_k, 0.0, 0.0
 
     def set_root_velocity(self, env_ids, lin_vel_w, ang_vel_w) -> None:
-        lin, ang = lin_vel_w.cpu().double().numpy(), ang_vel_w.cpu().double().numpy()
-        for k, i in enumerate(env_ids.tolist()):
-            d = self.datas[i]
-            d.qvel[:3], d.qvel[3:6] = lin[k], d.xmat[self.pelvis].reshape(3, 3).T @ ang[k]
-            self._refresh(i)
+        for _, d, lin, ang in self._envs(env_ids, lin_vel_w, ang_vel_w):
+            d.qvel[:3], d.qvel[3:6] = lin, d.xmat[self.pelvis].reshape(3, 3).T @ ang
 
     def set_gravity(self, env_ids, g_w) -> None:
-        for k, i in enumerate(env_ids.tolist()):
-            self.models[i].opt.gravity[:] = g_w[k].cpu().numpy()
-            self._refresh(i)
+        for m, _, g in self._envs(env_ids, g_w):
+            m.opt.gravity[:] = g
 
     def set_body_mass(self, env_ids, mass_kg) -> None:
-        mass = mass_kg.cpu().double().numpy()
-        for k, i in enumerate(env_ids.tolist()):
-            m, ratio = self.models[i], mass[k] / self.default_body_mass_kg[i].double().numpy()
-            m.body_mass[self.bodies] = mass[k]
-            m.body_inertia[self.bodies] = self._default_inertia[self.bodies] * ratio[:, None]
-            self._refresh(i, masses=True)
+        for m, _, mass, default in self._envs(env_ids, mass_kg, self.default_body_mass_kg[env_ids], masses=True):
+            m.body_mass[self.bodies] = mass
+            m.body_inertia[self.bodies] = self._default_inertia[self.bodies] * (mass / default)[:, None]
 
     def set_com_offset(self, env_ids, offset_m) -> None:
-        offset = offset_m.cpu().double().numpy()
-        for k, i in enumerate(env_ids.tolist()):
-            self.models[i].body_ipos[self.torso] = self._default_torso_com + offset[k]
-            self._refresh(i, masses=True)
+        for m, _, offset in self._envs(env_ids, offset_m, masses=True):
+            m.body_ipos[self.torso] = self._default_torso_com + offset
 
     def set_friction(self, env_ids, mu) -> None:
-        """Ground-foot friction: the feet's sliding friction (the ground's is GROUND_FRICTION)."""
-        for k, i in enumerate(env_ids.tolist()):
-            self.models[i].geom_friction[self.feet, 0] = float(mu[k])
-            self._refresh(i)
+        for m, _, mu_k in self._envs(env_ids, mu):
+            m.geom_friction[self.feet, 0] = mu_k
 
     def set_contact_timeconst(self, env_ids, timeconst_s) -> None:
         for k, i in enumerate(env_ids.tolist()):  # a contact's solref mixes its two geoms': the same on all of them
             self.models[i].geom_solref[:, 0] = float(timeconst_s[k])
 
     def set_joint_params(self, env_ids, armature, damping, frictionloss) -> None:
-        a, b, c = (x.cpu().double().numpy() for x in (armature, damping, frictionloss))
-        for k, i in enumerate(env_ids.tolist()):
-            m = self.models[i]
-            m.dof_armature[6:], m.dof_damping[6:], m.dof_frictionloss[6:] = a[k], b[k], c[k]
-            self._refresh(i, masses=True)
+        for m, _, a, b, c in self._envs(env_ids, armature, damping, frictionloss, masses=True):
+            m.dof_armature[6:], m.dof_damping[6:], m.dof_frictionloss[6:] = a, b, c
 
     def nan_envs(self) -> torch.Tensor:
         """Envs MuJoCo reset since the last call (a bad position, velocity or acceleration warning). The warning counts
@@ -798,15 +762,15 @@ class TrackingEnv:
     PROPRIO_STEPS, FUTURE_STEPS, STUDENT_PAST, STUDENT_FUTURE = 5, 8, 8, 4
 
     def __init__(self, sim, motion_lib: MotionLib, terrain: Terrain, dr: DR | None, seed: int, start: str = "random",
-                 termination: str = "max", root_velocity: bool = True):
+                 termination: str = "max", root_velocity: bool = True, clamp_targets: bool = False):
         self.sim, self.motions, self.terrain, self.dr, self.start = sim, motion_lib, terrain, dr, start  # START_MODES
-        self.termination = termination  # TERMINATIONS
-        self.root_velocity = root_velocity  # the actor's proprio holds the root's linear velocity (else: relative)
-        # training levers of the authors' released recipe (teacher.py sets them; off: uniform clips and start ticks,
-        # the failure test from the first step): a share of frame-0 starts, clip sampling weights, grace steps
+        self.termination, self.root_velocity = termination, root_velocity  # TERMINATIONS; see make_env
+        # the authors' recipe's levers (off unless teacher.py sets them): frame-0 start share, clip weights, grace steps
         self.frame0_share, self.clip_weights, self.grace_steps = 0.0, None, 0
         self.num_envs, self.device = n, dev = sim.num_envs, sim.device
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
+        kin = ssjr.G1Kinematics(device=dev)  # make_env's clamp_targets: the MJCF joint ranges, else None
+        self.target_range_rad = (kin.dof_lower_rad, kin.dof_upper_rad) if clamp_targets else None
         self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
         self.tile_weights = tile_weights(terrain.tile_types, TERRAIN_MIX).to(dev)
         self.scan_xy, self.spawn_xy = SCAN_XY_M.to(dev), torch.as_tensor(terrain.spawn_xy_m, device=dev)
@@ -817,8 +781,7 @@ class TrackingEnv:
         self.ref_offset = torch.zeros(n, 3, device=dev)  # world offset of the reference (tile spawn point)
         self.next_push_s = torch.full((n,), float("inf"), device=dev)
         self.last_alpha = torch.zeros(n, NUM_DOF, device=dev)  # the PD target of the previous control step
-        # the delay line: the PD targets of the last control steps, oldest first (a delay of d physics steps reaches
-        # back ceil(d / DECIMATION) control steps)
+        # the delay line: PD targets of the last control steps, oldest first (d physics steps reach ceil(d / 4) back)
         self.alpha_line = torch.zeros(n, -(-MAX_DELAY_STEPS // DECIMATION) + 1, NUM_DOF, device=dev)
         self.proprio_buf = torch.zeros(n, self.PROPRIO_STEPS, PROPRIO_DIM, device=dev)
         self.sparse_buf = torch.zeros(n, self.STUDENT_PAST, SPARSE_STATE_DIM + NUM_DOF, device=dev)
@@ -918,8 +881,7 @@ class TrackingEnv:
         ref = self.reference(env_ids=ids)  # reference-state init; these envs' observation stacks restart (_fresh)
         self.sim.write_state(ids, ref["body_pos"][:, 0], ref["body_quat"][:, 0], ref["body_lin_vel"][:, 0],
                              ref["body_ang_vel"][:, 0], ref["dof_pos"], ref["dof_vel"])
-        self.last_alpha[ids], self.history[ids] = ref["dof_pos"], 0.0
-        self.alpha_line[ids] = ref["dof_pos"][:, None]
+        self.last_alpha[ids], self.alpha_line[ids], self.history[ids] = ref["dof_pos"], ref["dof_pos"][:, None], 0.0
         self.history_mask[ids], self._fresh[ids] = False, True
 
     def _write_psi(self, ids: torch.Tensor, body: bool):
@@ -942,6 +904,8 @@ class TrackingEnv:
     def step(self, alpha: torch.Tensor):
         """One 50 Hz control step: PD targets alpha [N,29] -> (obs, reward [N], done [N], info)."""
         alpha, dev, psi = alpha.detach().to(self.device), self.device, self.psi
+        if self.target_range_rad is not None:  # the targets played, delayed and remembered are the clamped ones
+            alpha = alpha.clamp(*self.target_range_rad)
         s_before = self.sparse_buf[:, -1, :SPARSE_STATE_DIM]  # s_t, observed at the end of the last step
         kp, kd = self.kp * psi["kp_scale"][:, None], self.kd * psi["kd_scale"][:, None]
         push = self.step_count * CONTROL_DT_S >= self.next_push_s  # a kick every U[5, 10] s of episode time
@@ -956,8 +920,7 @@ class TrackingEnv:
         power = torch.zeros(self.num_envs, device=dev)
         self.alpha_line = shift_in(self.alpha_line, alpha)
         for k in range(DECIMATION):
-            # control delay of d physics steps: physics step k of this period plays the target of ceil((d - k) / 4)
-            # control steps ago (0: this one)
+            # delay d physics steps: physics step k of this period plays the target ceil((d - k) / 4) control steps ago
             lag = torch.div(psi["delay_steps"].long() - k + DECIMATION - 1, DECIMATION, rounding_mode="floor").clamp(0)
             target = self.alpha_line[self.all_ids, -1 - lag]
             q, qd = self.sim.dof_state()
@@ -1026,8 +989,7 @@ class TrackingEnv:
                   heading(pos[:, 1:] - root_pos[:, None]), heading_rot6d(quat)]  # the body state around its velocities
         after = [heading(ang), s[:, :2 * NUM_DOF], self.last_alpha]
         critic_proprio = torch.cat([*before, heading(lin), *after], -1)  # the critic reads the world's velocities
-        # without the root's linear velocity (no sensor reads it) the actor reads the bodies' relative to the root's,
-        # which encoders and an IMU give
+        # the actor, without the root's linear velocity (no sensor reads it), reads the bodies' relative to the root's
         proprio = critic_proprio if self.root_velocity else torch.cat([*before, heading(lin - lin[:, :1]), *after], -1)
         for name, new in (("proprio_buf", proprio), ("sparse_buf", torch.cat([s, self.last_alpha], -1))):
             stack = shift_in(getattr(self, name), new) if advance else getattr(self, name)
@@ -1085,16 +1047,17 @@ def tile_weights(tile_types, mix: dict[str, float]) -> torch.Tensor:
 
 def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", motions="data/packets/g1_moves",
              dr: DR | str | None = None, terrain: str = "flat", seed: int = 0, start: str = "random",
-             exclude_test: bool = True, performance_mode: bool = False,
-             terrain_seed: int | None = None, termination: str = "max", root_velocity: bool = True,
-             contact_timeconst_s: float | None = None) -> TrackingEnv:
-    """Build the tracking env on `sim` (SIMS). `motions`: packet folder/file/list; the held-out
-    test clips (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation).
-    performance_mode (Genesis): kernels compiled for this exact num_envs (faster CPU physics, a longer compile at every
-    start; one mode per process). terrain_seed: the heightfield's seed (default: seed). termination: TERMINATIONS.
-    root_velocity: the teacher's proprio holds the root's linear velocity (False: the bodies' relative to it).
-    contact_timeconst_s: Genesis' one contact time constant (None: its default; genesis_aligned: CONTACT_TIMECONST_S).
-    dr: a DR, "default" (DR(): what a checkpoint's env_cfg records) or None (nominal dynamics)."""
+             exclude_test: bool = True, performance_mode: bool = False, terrain_seed: int | None = None,
+             termination: str = "max", root_velocity: bool = True,
+             contact_timeconst_s: float | None = None, clamp_targets: bool = False) -> TrackingEnv:
+    """Build the tracking env on `sim` (SIMS). motions: packet folder/file/list; the held-out test clips
+    (ssjr.TEST_CLIPS) are dropped from a folder unless exclude_test=False (evaluation). dr: a DR, "default" (DR(): what
+    a checkpoint's env_cfg records) or None (nominal dynamics). performance_mode (Genesis): kernels compiled for this
+    exact num_envs (faster CPU physics, compiled at every start; one mode per process). terrain_seed: default seed.
+    termination: TERMINATIONS. root_velocity: the teacher's proprio holds the root's linear velocity (False: the bodies'
+    relative to it). contact_timeconst_s: Genesis' (None: its default; genesis_aligned: CONTACT_TIMECONST_S).
+    clamp_targets: the PD targets clamped to the MJCF joint ranges, as a robot's safety layer does (off: a target
+    beyond a range presses the joint into its stop)."""
     dr = DR() if dr == "default" else dr
     if num_envs < 1:
         raise InputError("--num-envs", f"must be at least 1, got {num_envs}")
@@ -1117,15 +1080,14 @@ def make_env(sim: str = "genesis", num_envs: int = 64, device: str = "cpu", moti
                             contact_timeconst_s=contact_timeconst_s or aligned)
     else:
         engine = IsaacLabSim(num_envs, device, ground) if sim == "isaaclab" else MuJoCoSim(num_envs, device, ground)
-    return TrackingEnv(engine, motion_lib, ground, dr, seed, start, termination, root_velocity)
+    return TrackingEnv(engine, motion_lib, ground, dr, seed, start, termination, root_velocity, clamp_targets)
 
 
 # --- Benchmark: our env vs the raw engine stepping the same scene (same adapter, same N, same run).
 @dataclass
 class Bench:
     """python envs.py bench --sim genesis --num-envs 64"""
-    # isaaclab | genesis | mujoco (mujoco: also our Genesis env on the same scene, in the same run)
-    sim: str = "genesis"
+    sim: str = "genesis"  # isaaclab | genesis | mujoco (mujoco: also our Genesis env on the same scene, same run)
     num_envs: int = 64  # parallel environments
     device: str = "cpu"  # simulation device
     steps: int = 100  # control steps timed (after 10 warm-up steps)

@@ -6,16 +6,12 @@
     python evaluate.py --ckpt s.pt --settings genesis --seeds 0 --episodes 1 --max-steps 100   # smoke run
     python evaluate.py --ckpt t.pt s0.pt s1.pt s2.pt --labels teacher student student student   # training runs
 
-Settings: `<engine>[+dr|+noise][<k>][@<terrain>][:<cell>...]`; engine = isaaclab | genesis | genesis_aligned | mujoco
-| in_domain (the first checkpoint's env_cfg["sim"]) | zero_shot (ZERO_SHOT: Genesis for Isaac Lab or MuJoCo, Isaac Lab
-for Genesis); +dr = envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise); +noise = envs.DR.noise_only()
-(nominal dynamics, no pushes, the sensor noise alone: the nominal setting as a rate); k: every sensor-noise std times k
-(`genesis+noise0.1`: a tenth, the same draws scaled; envs.DR.noise_scale); terrain = flat | smooth_slope | rough_slope.
-Cells (with +dr): a GRID cell, one psi term beyond its training range (`mujoco+dr:delay5-6`; `grid`: every cell on the
-in-domain engine, `genesis+dr:grid` on Genesis, and their mean), and the m_t diagnostics M_T_PROBES
-(`mujoco+dr:mt_shuffled`: does the policy use its history?). --onnx adds the settings deploy[+drift<v>]: the exported
-student played by deploy.py in MuJoCo from its ONNX contract alone. --probe: a linear probe of psi from m_t instead of
-an evaluation.
+Settings: `<engine>[+dr|+noise][<k>][@<terrain>][:<cell>...]`; engine in ENGINES, in_domain (the first checkpoint's
+env_cfg["sim"]) or zero_shot (ZERO_SHOT); +dr = envs.DR() (paper Table 5: dynamics psi, pushes, sensor noise);
++noise = envs.DR.noise_only() (the sensor noise alone: the nominal setting as a rate); k: every sensor-noise std times k
+(the same draws scaled: `genesis+noise0.1`); terrain in envs.TERRAIN_TYPES. Cells: with +dr, GRID cells
+(`mujoco+dr:delay8`; `grid`: every cell on the in-domain engine, `genesis+dr:grid` on Genesis, and their mean) and the
+m_t diagnostics M_T_PROBES (`mujoco+dr:mt_shuffled`: does the policy use its history?); with any setting, CLIPPED.
 
 Episodes. Under +dr (and +noise) every episode draws its own psi (body terms included), tile, pushes and sensor noise
 from a stream seeded by (seed, clip, episode) alone (envs.START_MODES): the episodes are independent samples, and those
@@ -24,10 +20,9 @@ and the deterministic policy plays it the same way every time: one episode per c
 starts without an interval. Checkpoints sharing a label are training runs (e.g. seeds) of one method: the run is their
 unit.
 
-Motions: the test split (ssjr.TEST_CLIPS) or a folder/file of SSJR packets and/or human keypoint commands. A keypoint
-command commands only the SSJR keypoint bodies: it is scored by the keypoint error and the falls in its own report
-section, and its full-body metrics are NaN. An episode runs from frame 0 until its clip ends, its simulation blows up,
-or GTE_t > 0.5 m (for a keypoint command: the mean keypoint error; env termination="mean"): an early end is never a
+A human keypoint command commands only the SSJR keypoint bodies: its own report section scores it by the keypoint
+error and the falls; its full-body metrics are NaN. An episode runs from frame 0 until its clip ends, its simulation
+blows up, or GTE_t > 0.5 m (keypoint command: the mean keypoint error; env termination="mean"): an early end is never a
 success. The errors are of the states the env judged, after every step. Per episode of T steps (50 Hz), B=30 bodies:
 
   GTE_t        = mean_b ||p_ref_tb - p_tb||  (the per-frame g-mpjpe)         (world frame, m)
@@ -47,6 +42,9 @@ success. The errors are of the states the env judged, after every step. Per epis
     rav  ||w_t - w_ref_t||^2                   root angular velocity, world frame (rad/s)
   keypoint_err = mean_t mean_k ||b_tk - b_ref_tk||, k = the SSJR keypoint bodies   (world frame, mm; every command)
   fell         = the env ended the episode early: its failure test or a blown-up simulation   (%; every command)
+  targets_outside_pct = the share of steps with a PD target beyond its MJCF joint range; target_excess_deg: by how
+  much, over those joint-steps; at_stop_pct: steps with a joint within AT_STOP_RAD of its stop; stop_torque_nm: the
+  mean |torque| of those joints (env episodes; `:clipped` clamps the targets to the ranges, as a robot's safety layer)
   Velocities are one-step finite differences (dt = envs.CONTROL_DT_S), the same for robot and reference:
   v_t = (p_t+1,0 - p_t,0)/dt, w_t = rotvec(q_t+1,0 q_t,0^-1)/dt, |qdot - qdot_ref| = angle(lr_t^-1 lr_t+1,
   lr_ref_t^-1 lr_ref_t+1)/dt (exact for hinges); NaN if T < 2.
@@ -87,9 +85,10 @@ REWARD_C = {"dv": 0.002, "kb": 10.0, "lr": 0.2, "rv": 0.5, "rav": 0.1}  # c of e
 METRICS = ("success", "success_strict", "g_mpjpe_mm", "mpjpe_mm", "gr_err_rad", "gr_err_deg",
            "dv_rew", "kb_rew", "lr_rew", "rv_rew", "rav_rew")  # full body: NaN for human keypoint commands
 KEYPOINT_METRICS = ("keypoint_err_mm", "fell", "steps")  # every command
-ALL_METRICS = METRICS + KEYPOINT_METRICS
+JOINT_METRICS = ("targets_outside_pct", "target_excess_deg", "at_stop_pct", "stop_torque_nm")  # env episodes
+ALL_METRICS = METRICS + KEYPOINT_METRICS + JOINT_METRICS
 PERCENT = {"success", "success_strict", "fell"}  # 0/1 per episode, reported in % (McNemar's test)
-LOWER_IS_BETTER = {"g_mpjpe_mm", "mpjpe_mm", "gr_err_rad", "gr_err_deg", "keypoint_err_mm", "fell"}
+LOWER_IS_BETTER = {"g_mpjpe_mm", "mpjpe_mm", "gr_err_rad", "gr_err_deg", "keypoint_err_mm", "fell", *JOINT_METRICS}
 TABLE1_METRICS = (("success", "Succ. (%)↑"), ("steps", "steps↑"), ("g_mpjpe_mm", "g-mpjpe (mm)↓"),
                   ("mpjpe_mm", "mpjpe (mm)↓"))
 KEYPOINT_TABLE = (("keypoint_err_mm", "keypoint err (mm)↓"), ("fell", "falls (%)↓"), ("steps", "steps↑"))
@@ -106,17 +105,20 @@ GRID = {"delay5-6": {"delay_steps": (5, 6)}, "delay8": {"delay_steps": (8, 8)},
         "contact0.04": {"contact_timeconst_s": (0.04, 0.04)}}
 # m_t diagnostics: the policy's history H_t emptied (m_t from no evidence) or rolled across the envs (another episode's)
 M_T_PROBES = ("mt_empty", "mt_shuffled")
+CLIPPED = "clipped"  # cell: the robot side clamps the policy's PD targets to the MJCF joint ranges before playing them
+AT_STOP_RAD = 0.01  # a joint this close to an end of its range sits at its stop
 PROBE_STEPS = (20, 160)  # --probe: the control steps of each episode whose features are collected
 RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
+# per step and joint [T,29]: how far the played target lies beyond the joint's range (> 0: outside), how far the joint
+# the policy read lies from its nearer stop, and the torque of the first physics step (whose PD law read that joint)
+JOINT_RECORDED = ("target_excess_rad", "stop_gap_rad", "joint_torque_nm")
 Z95 = stats.norm.ppf(0.975)
 
 
 @dataclasses.dataclass
 class Args:
-    ckpt: tuple[str, ...] = ()
-    """checkpoint(s) of teacher.py / student.py; several give an ablation table, the first label is the reference"""
-    labels: tuple[str, ...] = ()
-    """table row names, one per checkpoint (default: file stems); checkpoints sharing a label are runs of one method"""
+    ckpt: tuple[str, ...] = ()  # teacher.py / student.py checkpoints: the rows of one table, the first its reference
+    labels: tuple[str, ...] = ()  # one row name per checkpoint (default: file stems); shared labels: runs of one method
     settings: tuple[str, ...] = ("isaaclab", "isaaclab+dr", "genesis", "genesis+dr",
                                  "zero_shot@smooth_slope", "zero_shot@rough_slope")
     """evaluation settings, `<engine>[+dr|+noise][<k>][@<terrain>][:<cell>]` or `grid` (see the module docstring)"""
@@ -129,14 +131,11 @@ class Args:
     max_steps: int = 0  # cap on each rollout's control steps; unfinished episodes are recorded as truncated (0 = none)
     out_dir: str = "results/eval"  # where table.md, episodes.csv and summary.json go
     alpha: float = 0.01  # significance level of the paired tests
-    onnx: tuple[str, ...] = ()
-    """exported students (export.py) played by deploy.py in MuJoCo from their contract: settings deploy[+drift<v>]"""
-    onnx_labels: tuple[str, ...] = ()
-    """row names of the ONNX files (default: file stems); a checkpoint's label puts the export beside it"""
+    onnx: tuple[str, ...] = ()  # ONNX students (export.py) played by deploy.py in MuJoCo: settings deploy[+drift<v>]
+    onnx_labels: tuple[str, ...] = ()  # ONNX row names (default: stems); a checkpoint's label puts the export beside it
     root_drift_mps: tuple[float, ...] = (0.0,)
     """deploy settings: drift speed of the root position estimate (a random horizontal direction per seed)"""
-    render: str = ""
-    """draw the first episode to this .png (8 frames), .gif or .mp4: robot bodies blue, reference keypoints orange"""
+    render: str = ""  # draw the first episode (.png: 8 frames, .gif, .mp4): robot blue, reference keypoints orange
     parity: bool = False
     """instead of evaluating: on the first motion, compare deploy.py's inputs with the MuJoCo env's and the ONNX
     (--onnx) actions with the student's (--ckpt); print the first term beyond tolerance or 'all inputs match'"""
@@ -162,8 +161,8 @@ def reward_terms(pos: torch.Tensor, quat: torch.Tensor, ref_pos: torch.Tensor, r
 
 
 def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S, command: str = ROBOT) -> dict[str, float]:
-    """The metrics of a recorded episode (RECORDED arrays [T,B,.], numpy or torch): METRICS and max_gte_m (NaN for a
-    keypoint command: its other bodies are filler), keypoint_err_mm, steps, max_keypoint_err_m (its failure test)."""
+    """The metrics of a recorded episode (RECORDED arrays [T,B,.], JOINT_RECORDED [T,29] if recorded; numpy or torch):
+    ALL_METRICS but fell, plus max_gte_m, max_keypoint_err_m; the full-body ones are NaN for a keypoint command."""
     pos, ref_pos, quat, ref_quat = (torch.as_tensor(np.asarray(rec[k]), dtype=torch.float64) for k in RECORDED)
     err = envs.body_error_metrics(pos, ref_pos)  # per step [T]; the env's info["metrics"] are the same functions
     gte = err["gt_err_m"]  # GTE_t: the mean over the bodies
@@ -175,6 +174,15 @@ def episode_metrics(rec: dict, dt_s: float = envs.CONTROL_DT_S, command: str = R
            "gr_err_rad": gr, "gr_err_deg": math.degrees(gr), **reward_terms(pos, quat, ref_pos, ref_quat, dt_s)}
     if command == HUMAN_KEYPOINTS:
         out.update(dict.fromkeys((*METRICS, "max_gte_m"), math.nan))
+    out.update(dict.fromkeys(JOINT_METRICS, math.nan))
+    if "stop_gap_rad" in rec:  # the joints against their ranges: targets_outside and at_stop are shares of the steps
+        excess, gap, tau = (np.asarray(rec[k], np.float64) for k in JOINT_RECORDED)
+        outside, at_stop = excess > 0, gap < AT_STOP_RAD
+        out.update(targets_outside_pct=100 * outside.any(-1).mean(), at_stop_pct=100 * at_stop.any(-1).mean())
+        if outside.any():
+            out["target_excess_deg"] = math.degrees(excess[outside].mean())
+        if at_stop.any():
+            out["stop_torque_nm"] = np.abs(tau[at_stop]).mean()
     return {**out, "keypoint_err_mm": 1000.0 * float(err["keypoint_err_m"].mean()), "steps": float(len(pos)),
             "max_keypoint_err_m": float(err["max_keypoint_err_m"].max())}
 
@@ -201,8 +209,7 @@ def paired_rate_difference(a, b) -> tuple[float, float, float]:
     if not (n := len(a)):
         return math.nan, math.nan, math.nan
     both, only_a, only_b, neither = (a & b).sum(), (a & ~b).sum(), (~a & b).sum(), (~a & ~b).sum()
-    p1, p2 = a.mean(), b.mean()
-    (l1, u1), (l2, u2) = wilson(int(a.sum()), n), wilson(int(b.sum()), n)
+    (p1, (l1, u1)), (p2, (l2, u2)) = ((x.mean(), wilson(int(x.sum()), n)) for x in (a, b))
     denominator = float((both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither))
     phi = float(both * neither - only_a * only_b) / math.sqrt(denominator) if denominator > 0 else 0.0
     d = float(p1 - p2)
@@ -224,7 +231,8 @@ def t_interval(xs) -> tuple[float, float, float]:
 def estimate(rows: list[dict], metric: str, independent: bool) -> dict:
     """`metric` over the rows of one label and setting (Aggregation): {mean, lo, hi (95 %), n, runs}; rates in %."""
     scale = 100.0 if metric in PERCENT else 1.0  # runs: the finite values, one list per checkpoint, in the given order
-    runs = [xs for sel in group(rows, "ckpt").values() if (xs := [r[metric] for r in sel if math.isfinite(r[metric])])]
+    runs = [xs for sel in group(rows, "ckpt").values()  # a metric a row lacks (an older episodes.csv): NaN
+            if (xs := [x for r in sel if math.isfinite(x := r.get(metric, math.nan))])]
     if not runs:
         return {"mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0, "runs": 0}
     if len(runs) > 1:
@@ -306,13 +314,15 @@ def comparison_rows(rows: list[dict], labels: list[str], settings: list[Setting]
     out = [{"label": label, "reference": reference, "setting": s.name, "metric": m,
             **compare(by.get((label, s.name), []), by.get((reference, s.name), []), m, s.dr)}
            for j, label in enumerate(labels) for reference in labels[:j] for s in settings
-           for m in metrics if any(math.isfinite(r[m]) for r in rows)]
+           for m in metrics if any(math.isfinite(r.get(m, math.nan)) for r in rows)]
     return [{**c, "significant": bool(c["p"] < alpha)} for c in out]
 
 
 # --- 3. Reports: markdown tables, CSV, JSON (every file through ssjr.write_atomic). ---
 def _fmt(x: float, metric: str) -> str:
-    return f"{x:.{1 if metric in PERCENT else 0 if metric.endswith('_mm') or metric == 'steps' else 3}f}"
+    digits = 0 if metric.endswith("_mm") or metric == "steps" else 1 if metric in PERCENT or metric.endswith(
+        ("_pct", "_deg", "_nm")) else 3
+    return f"{x:.{digits}f}"
 
 
 def _cell(rows: list[dict], metric: str, independent: bool) -> str:
@@ -498,8 +508,7 @@ class Setting:
 
 
 def parse_setting(token: str, train_sim: str) -> Setting:
-    """'<engine>[+dr|+noise][<k>][@<terrain>][:<cell>...]' -> Setting; engine in ENGINES, in_domain or zero_shot; k: a
-    factor on the sensor noise; cells: GRID or M_T_PROBES, with +dr."""
+    """'<engine>[+dr|+noise][<k>][@<terrain>][:<cell>...]' (the module docstring's Settings) -> Setting."""
     token, *cells = token.lower().split(":")
     spec, _, terrain = token.partition("@")
     engine, plus, dr = spec.partition("+")
@@ -510,10 +519,10 @@ def parse_setting(token: str, train_sim: str) -> Setting:
         raise ssjr.InputError("--settings", f"bad setting {token!r}: use <engine>[+dr|+noise][<k>][@<terrain>], engine "
                               f"in {tuple(ENGINES) + ('in_domain', 'zero_shot')}, k a number, terrain in "
                               f"{envs.TERRAIN_TYPES}")
-    if cells and (kind != "dr" or len(set(cells)) < len(cells) or not set(cells) <= {*GRID, *M_T_PROBES}
-                  or sim == "isaaclab" and "contact0.04" in cells):
+    if cells and (len(set(cells)) < len(cells) or not set(cells) <= {*GRID, *M_T_PROBES, CLIPPED}
+                  or kind != "dr" and set(cells) != {CLIPPED} or sim == "isaaclab" and "contact0.04" in cells):
         raise ssjr.InputError("--settings", f"bad cells in {token!r}: distinct ones of {[*GRID, *M_T_PROBES]} after "
-                              f"+dr (Isaac Lab has one contact time constant)")
+                              f"+dr, or {CLIPPED} (Isaac Lab has one contact time constant)")
     scale = float(k or 1)
     name = (sim + plus + (kind or "") + (f"{scale:g}" if scale != 1 else "")
             + ("" if terrain == "flat" else f"@{terrain}") + "".join(f":{c}" for c in cells))
@@ -522,8 +531,7 @@ def parse_setting(token: str, train_sim: str) -> Setting:
 
 
 def parse_settings(tokens, train_sim: str) -> list[Setting]:
-    """--settings: the cell `grid` stands for every GRID cell (`mujoco+dr:grid:mt_shuffled`); `grid` alone for
-    `in_domain+dr:grid`."""
+    """--settings: `grid` as a cell is every GRID cell (`mujoco+dr:grid:mt_shuffled`); alone, `in_domain+dr:grid`."""
     out = []
     for token in (t.lower() for t in tokens):
         head, grid, tail = ("in_domain+dr:" + token if token.partition(":")[0] == "grid" else token).partition(":grid")
@@ -576,8 +584,7 @@ def episode_plan(num_envs: int, num_clips: int, episodes_per_clip: int) -> list[
 
 
 def history_probe(obs: dict, cells, gen: torch.Generator) -> dict:
-    """The observations a policy reads under the m_t diagnostics (M_T_PROBES) in `cells`: its history H_t emptied, or
-    rolled across the envs by a random nonzero shift at every step (each env reads another episode's history)."""
+    """What the policy reads under the m_t diagnostics in `cells` (M_T_PROBES); mt_shuffled rolls anew each step."""
     if "mt_empty" in cells:
         obs = {**obs, "history_mask": torch.zeros_like(obs["history_mask"])}
     if "mt_shuffled" in cells:
@@ -588,9 +595,11 @@ def history_probe(obs: dict, cells, gen: torch.Generator) -> dict:
 
 def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int]]], max_steps: int = 0, cells=()):
     """Roll `policy` in `env` (start='frame0'; `obs` from its first reset or env.reseed(seed): a second reset would
-    skip clips) and yield each planned episode as the dict `record` builds (RECORDED arrays [T,...], numpy).
-    cells: the setting's, whose m_t diagnostics change what the policy reads (history_probe)."""
+    skip clips) and yield each planned episode as `record` builds it; cells: the setting's (history_probe, CLIPPED)."""
     n, gen = env.num_envs, torch.Generator().manual_seed(env.seed) if "mt_shuffled" in cells else None
+    kin = ssjr.G1Kinematics(device=env.device)
+    lower, upper = kin.dof_lower_rad, kin.dof_upper_rad
+    clamp = CLIPPED in cells or env.target_range_rad is not None  # the env clamps too: record what it plays
     k, start = [0] * n, [0] * n  # current episode of each env, and the step it started at
     steps, base, step = [], 0, 0  # steps: per control step, CPU copies of the [N,...] arrays; steps[0] is step `base`
 
@@ -602,14 +611,20 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int]]], max_
         return {"clip": clip, "episode": episode, "steps": len(window), "truncated": truncated,
                 "failed": bool(last["failed"][i]), "time_out": bool(last["time_out"][i]), "nan": bool(last["nan"][i]),
                 "pushes": int(col("pushed").sum()), "psi": {key: float(v[i]) for key, v in last["psi"].items()},
-                **{key: col(key).numpy() for key in RECORDED}}
+                **{key: col(key).numpy() for key in RECORDED + JOINT_RECORDED}}
     while any(k[i] < len(plan[i]) for i in range(n)):
         if max_steps and step >= max_steps:
             yield from (record(i, step, True) for i in range(n) if k[i] < len(plan[i]) and step > start[i])
             return
+        q = env.sim.dof_state()[0]
+        stop_gap = torch.minimum(q - lower, upper - q).cpu()  # before the step moves the engine's joints
         with torch.no_grad():  # not inference_mode: the env keeps the actions in its state, and reseed writes there
-            obs, _, done, info = env.step(policy.act(history_probe(obs, cells, gen)))
+            alpha = policy.act(history_probe(obs, cells, gen))
+            alpha = alpha.clamp(lower, upper) if clamp else alpha
+            obs, _, done, info = env.step(alpha)
         steps.append({**{key: getattr(env, key).detach().to("cpu", torch.float32).clone() for key in RECORDED},
+                      "target_excess_rad": torch.maximum(lower - alpha, alpha - upper).cpu(), "stop_gap_rad": stop_gap,
+                      "joint_torque_nm": env.substep_tau[0].cpu().clone(),
                       **{key: info[key].cpu() for key in ("failed", "time_out", "nan", "pushed")},
                       "psi": {key: v.cpu() for key, v in info["psi"].items()}})
         step += 1
@@ -690,6 +705,7 @@ def parity(args: Args) -> str:
         for t in range(args.max_steps or command.num_ticks - 1):
             inputs = controller.inputs(reading, command)
             (alpha_onnx, y_onnx), alpha = onnx_policy(inputs), torch_policy.act(obs)
+            alpha = alpha if env.target_range_rad is None else alpha.clamp(*env.target_range_rad)  # as played
             pos, quat = (x[0, 0] for x in env.sim.body_state()[:2])
             window = env.reference(env.window_steps)["body_pos"][0, :len(onnx_policy.keypoint_steps)]
             terms = [(k, obs[k][0]) for k in ("student_proprio", "history", "history_mask", "terrain")] + [
@@ -794,11 +810,11 @@ def main(args: Args) -> dict:
     settings = parse_settings(args.settings, checkpoints[0]["env_cfg"]["sim"]) if checkpoints else []
     if any("mt_shuffled" in s.cells for s in settings) and min(args.num_envs, args.episodes) < 2:
         raise ssjr.InputError("--num-envs", "mt_shuffled gives each env another env's history: use 2 or more envs")
+    motion_paths = resolve_motions(args.motions, args.packet_dir)
     if args.probe:
-        return probe(args, ckpt_labels, settings[0], resolve_motions(args.motions, args.packet_dir)[0])
+        return probe(args, ckpt_labels, settings[0], motion_paths[0])
     deploy_settings = [Setting("deploy" + (f"+drift{v:g}" if v else ""), "mujoco", False, "flat", False, v)
                        for v in args.root_drift_mps] if args.onnx else []
-    motion_paths = resolve_motions(args.motions, args.packet_dir)
     clips, kinds = [p.stem for p in motion_paths], [ssjr.packet_kind(p) for p in motion_paths]
     episodes = {s.name: args.episodes if s.dr else 1 for s in settings}  # without DR: near-identical starts
     planned = {name: len(args.seeds) * len(clips) * n for name, n in episodes.items()}  # per checkpoint

@@ -29,12 +29,9 @@ from ssjr import InputError
 @dataclass
 class Args:
     """python export.py --ckpt runs/<run>/student.pt --onnx student.onnx"""
-    ckpt: str
-    """student checkpoint"""
-    onnx: str = "student.onnx"
-    """output ONNX file"""
-    opset: int = 17
-    """ONNX opset"""
+    ckpt: str  # student checkpoint
+    onnx: str = "student.onnx"  # output ONNX file
+    opset: int = 17  # ONNX opset
 
 
 # What a deployment feeds the ONNX graph, per input (also written into its metadata). Joint order: ssjr.DOF_NAMES;
@@ -55,8 +52,7 @@ DEPLOY_INPUTS = {
 }
 
 
-# How a deployment builds those inputs and applies alpha: every choice, stated (metadata "contract"; deploy.py is
-# written from it alone). The numbers are the env's own.
+# How a deployment builds those inputs and applies alpha: every choice, stated with the env's own numbers ("contract").
 DEPLOY_CONTRACT = {
     "physics_dt_s": envs.PHYSICS_DT_S, "decimation": envs.DECIMATION,
     "pd_law": "at every physics step: tau = clip(kp (alpha - q) - kd qdot, -effort_limit_nm, effort_limit_nm) with q, "
@@ -66,9 +62,11 @@ DEPLOY_CONTRACT = {
              f"({1000 * envs.DR.delay_steps[1] * envs.PHYSICS_DT_S:.0f} ms at most) of delay before alpha "
              f"reaches the motors (alpha_(t-1) meanwhile) and kp, kd scaled by U{list(envs.DR.kp_scale)}: a robot's "
              f"own latency should fall in that range; deploy.py applies alpha at once",
-    "clipping": "none: training applies alpha as the policy outputs it, even outside the joint ranges (the joints' "
-                "limits in the scene stop them); only the torque is clipped, to effort_limit_nm. A robot's safety "
-                "clip of alpha changes what the policy was trained on; record the alpha actually sent (proprio_rows)",
+    "clipping": "metadata alpha_clamp_rad null: none, training applied alpha as the policy outputs it, even beyond the "
+                "joint ranges (the scene's joint limits stop the joints; clamping alpha costs tracking, evaluate.py's "
+                ":clipped settings measure it); [lower, upper] (rad, dof_names order, the MJCF ranges): clamp alpha to "
+                "them before the PD law, as training did (--clamp-targets), and record the clamped alpha. The torque "
+                "is always clipped to effort_limit_nm",
     "training_engine": "env_cfg's sim (its contact and friction: envs.py's engine table); ground friction is the "
                        f"feet's (max of the pair), U{list(envs.DR.friction)} in training; MuJoCo contact time "
                        f"constant U{list(envs.DR.contact_timeconst_s)} s",
@@ -104,8 +102,7 @@ DEPLOY_CONTRACT = {
 
 
 class OnnxPolicy(nn.Module):
-    """The student with positional inputs (DEPLOY_INPUTS order); the SSJR command is computed inside the graph by
-    ssjr.keypoint_command, the same function the env trains with. Outputs alpha and the command it read."""
+    """The student with positional inputs (DEPLOY_INPUTS order); returns alpha and the command Y_t it computed."""
 
     def __init__(self, policy: student.StudentPolicy):
         super().__init__()
@@ -118,10 +115,9 @@ class OnnxPolicy(nn.Module):
 
 
 def export(args: Args) -> pathlib.Path:
-    """Write the ONNX policy (inputs DEPLOY_INPUTS with a dynamic batch axis; outputs alpha [N, 29] rad and
-    student_keypoints) with the deployment contract, the observation layout and the controller facts in its metadata.
-    Uses the TorchScript exporter (dynamo=False: the dynamo exporter needs onnxscript) with the fused transformer fast
-    path off, which it cannot export."""
+    """Write the ONNX policy (DEPLOY_INPUTS, dynamic batch axis -> alpha [N, 29] rad, student_keypoints) with the
+    contract and the controller facts in its metadata. The TorchScript exporter (dynamo=False: the dynamo exporter
+    needs onnxscript), with the fused transformer fast path off, which it cannot export."""
     import onnx
     policy, ckpt = student.load_policy(args.ckpt, "cpu")
     layout = ckpt["obs_layout"]
@@ -132,6 +128,8 @@ def export(args: Args) -> pathlib.Path:
     inputs = tuple(torch.zeros(2, *v, dtype=torch.bool if k == "history_mask" else torch.float32)
                    for k, v in shapes.items())
     kp, kd, limit = envs.joint_table()
+    kin = ssjr.G1Kinematics()
+    clamp = [kin.dof_lower_rad.tolist(), kin.dof_upper_rad.tolist()] if ckpt["env_cfg"].get("clamp_targets") else None
     names = []
 
     def write(tmp: pathlib.Path):
@@ -155,8 +153,8 @@ def export(args: Args) -> pathlib.Path:
                 "keypoint_names": list(ssjr.KEYPOINT_NAMES),
                 "control_dt_s": envs.CONTROL_DT_S, "kp": kp.tolist(), "kd": kd.tolist(),
                 "terrain_points": len(envs.SCAN_XY_M), "failure_m": envs.TERMINATION_ERR_M,
-                "effort_limit_nm": limit.tolist(), "env_cfg": ckpt["env_cfg"], "global_step": ckpt["global_step"],
-                "source_ckpt": str(args.ckpt)}
+                "effort_limit_nm": limit.tolist(), "alpha_clamp_rad": clamp, "env_cfg": ckpt["env_cfg"],
+                "global_step": ckpt["global_step"], "source_ckpt": str(args.ckpt)}
         for k, v in meta.items():
             model.metadata_props.add(key=k, value=json.dumps(v))
         onnx.save(model, str(tmp))

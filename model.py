@@ -1,6 +1,6 @@
 """The network both HoRD stages share, and its checkpoints (nanoGPT's model.py): teacher.py trains `Agent`, student.py
 distils it into a `TokenPolicy` of its own and reads the teacher with `load_teacher`; evaluate.py and export.py read
-both. Nothing here runs an env or a training loop.
+both; both trainers start their ranks here. Nothing here runs an env or a training loop.
 
 The policy reads one token per stacked proprio step, one per future reference step (the student: its sparse keypoint
 steps), a terrain token g_t and the HCDR token m_t; a transformer encoder mixes them and the output of token 0 (the
@@ -69,10 +69,9 @@ def mlp(sizes, act=nn.ELU, last_act=False):
 
 
 class TokenPolicy(nn.Module):
-    """Transformer over observation tokens + the HCDR token; token 0's output -> MLP head -> 29 action means.
-    `token_obs` names the [N, T_i, D_i] observation streams that become tokens (one Linear each). The first stream is
-    the proprio stack (oldest first in the env); it enters newest first, so token 0, the one read out, is the current
-    self-observation s_t (the paper's 'self-obs token', output of token 0)."""
+    """`token_obs` names the [N, T_i, D_i] observation streams that become tokens (one Linear each), the first the
+    proprio stack (oldest first in the env); it enters newest first, so that token 0, the one read out, is the current
+    self-observation s_t (the paper's 'self-obs token')."""
 
     def __init__(self, layout: dict, token_obs: tuple[str, ...], args, hcdr: bool):
         super().__init__()
@@ -106,9 +105,8 @@ class TokenPolicy(nn.Module):
         tokens = [self.embed[k](self.norms[k](obs[k])) for k in self.token_obs]
         tokens[0] = tokens[0].flip(1)  # s_t, s_t-1, ...: token 0 is the current state
         tokens.append(self.terrain(self.norms["terrain"](obs["terrain"]))[:, None])
-        if self.hcdr is not None:
-            m_t = self.hcdr(self.history_norm(obs["history"]), obs["history_mask"])
-            tokens.append(m_t[:, None])
+        if self.hcdr is not None:  # the HCDR token m_t
+            tokens.append(self.hcdr(self.history_norm(obs["history"]), obs["history_mask"])[:, None])
         x = torch.cat(tokens, 1) + self.pos
         return self.head(self.encoder(x)[:, 0]).float()  # fp32 actions also under bf16 autocast
 
@@ -126,7 +124,6 @@ class Agent(nn.Module):
         self.value_norm = RunningNorm(1) if args.value_norm else None  # statistics of the returns
         self.log_std, self.action_scale = args.log_std, args.action_scale
 
-    @torch.no_grad()
     def update_norms(self, obs):
         self.actor.update_norms(obs)
         self.critic_norm.update(obs["critic"])
@@ -141,12 +138,10 @@ class Agent(nn.Module):
         return torch.distributions.Normal(mean, torch.full_like(mean, self.log_std).exp())
 
     def forward(self, obs):
-        """(pi, V) for the PPO loss: the update calls the module itself, so that under torchrun DDP averages the
-        gradients over the ranks."""
+        """(pi, V) for the PPO loss: called as the module, so that under torchrun DDP averages the gradients."""
         return self.dist(obs), self.value(obs, normalized=True)
 
     def to_alpha(self, obs, a):
-        """PD targets from the residual action."""
         return obs["ref_dof_pos"] + self.action_scale * a
 
     @torch.no_grad()
@@ -190,10 +185,9 @@ def checkpoint_args(path, ckpt: dict, cls):
 
 
 def resumed_args(args, ckpt: dict, presets: dict):
-    """A resumed run's settings: its checkpoint's, in its folder, on this call's device and AMP, to its own budget
-    and with its own kept copies unless --total-env-steps or --keep-every name others (values other than the preset's
-    defaults: a bare --resume finishes the run it continues, it does not stop at the cpu preset's 200k steps or go on
-    to the paper's 1e9)."""
+    """A resumed run's settings: its checkpoint's, in its folder, on this call's device and AMP, to its own budget and
+    kept copies unless --total-env-steps or --keep-every name others (not the preset's defaults: a bare --resume
+    finishes the run it continues, it does not stop at the cpu preset's 200k steps or go on to the paper's 1e9)."""
     saved = checkpoint_args(args.resume, ckpt, type(args))
     named = {k: getattr(args, k) for k in ("total_env_steps", "keep_every") if k in vars(saved)
              and getattr(args, k) != getattr(presets[args.preset], k)}
@@ -209,7 +203,6 @@ def load_weights(path, module: nn.Module, state: dict):
 
 
 def check_layout(path, expected: dict, found: dict, keys):
-    """A checkpoint is only valid for the observation layout it was trained on."""
     for k in keys:
         if list(expected.get(k, [])) != list(found.get(k, [])):
             raise InputError(path, f"observation layout mismatch for '{k}': checkpoint has {expected.get(k)}, this "

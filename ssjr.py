@@ -36,31 +36,26 @@ DATA_ROOT = pathlib.Path(os.environ.get("HORD_DATA", REPO.parent / "shared" / "d
 ASSETS = REPO / "assets"
 MJLAB_WHEEL = "mjlab==1.6.0"  # Apache-2.0 wheel that ships the Unitree G1 29-DoF MJCF (model BSD-3, Unitree)
 
-# The held-out G1 Moves test split: every evaluation uses these, training never sees them.
-TEST_CLIPS = ("B_WiggleDance", "J_Dance3_Woah", "J_Dance21_Blunt", "J_ShortDance14_Disco",
-              "B_SpinKarate", "M_Move7", "M_ShortMove13", "B_HandsUp")
+TEST_CLIPS = ("B_WiggleDance", "J_Dance3_Woah",  # the held-out G1 Moves test split: evaluated on, never trained on
+              "J_Dance21_Blunt", "J_ShortDance14_Disco", "B_SpinKarate", "M_Move7", "M_ShortMove13", "B_HandsUp")
 
-# MuJoCo / Unitree SDK / G1 CSV joint order.
-DOF_NAMES = tuple(f"{side}_{j}_joint" for side in ("left", "right")
+DOF_NAMES = tuple(f"{side}_{j}_joint" for side in ("left", "right")  # MuJoCo / Unitree SDK / G1 CSV joint order
                   for j in ("hip_pitch", "hip_roll", "hip_yaw", "knee", "ankle_pitch", "ankle_roll")) + (
     "waist_yaw_joint", "waist_roll_joint", "waist_pitch_joint") + tuple(
     f"{side}_{j}_joint" for side in ("left", "right")
     for j in ("shoulder_pitch", "shoulder_roll", "shoulder_yaw", "elbow", "wrist_roll", "wrist_pitch", "wrist_yaw"))
 NUM_DOF = len(DOF_NAMES)  # 29
-# MJCF tree order: pelvis, then body i+1 is the child link moved by DOF_NAMES[i].
 BODY_NAMES = ("pelvis",) + tuple(n.replace("_joint", "_link") for n in DOF_NAMES[:14]) + ("torso_link",) + tuple(
-    n.replace("_joint", "_link") for n in DOF_NAMES[15:])
+    n.replace("_joint", "_link") for n in DOF_NAMES[15:])  # MJCF tree order: body i+1 is the link DOF_NAMES[i] moves
 
 
-def g1_mjcf_path() -> pathlib.Path:
-    """Path of the G1 MJCF; fetched once from PyPI (the mjlab wheel, not installed) into assets/."""
+def g1_mjcf_path() -> pathlib.Path:  # fetched once from PyPI (the mjlab wheel, not installed) into assets/
     xml = ASSETS / "unitree_g1" / "xmls" / "g1.xml"
     if xml.exists():
         return xml
     print(f"[ssjr] downloading the G1 model ({MJLAB_WHEEL} wheel, model files only) into {ASSETS}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", MJLAB_WHEEL, "-d", tmp]
-        if subprocess.run(cmd).returncode != 0:
+        if subprocess.call([sys.executable, "-m", "pip", "download", "-q", "--no-deps", MJLAB_WHEEL, "-d", tmp]):
             raise RuntimeError(f"could not download {MJLAB_WHEEL}; place its unitree_g1 folder at {ASSETS}")
         prefix = "mjlab/asset_zoo/robots/unitree_g1/"
         ASSETS.mkdir(exist_ok=True)
@@ -82,7 +77,6 @@ KEYPOINT_BODY_IDS = tuple(BODY_NAMES.index(n) for n in KEYPOINT_NAMES)
 # Parent of each body (pelvis: -1), as G1Kinematics reads it from the MJCF (tested equal); drawing skips the XML.
 BODY_PARENTS = (-1, 0, 1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11, 0, 13, 14, 15, 16, 17, 18, 19, 20, 21,
                 15, 23, 24, 25, 26, 27, 28)
-# Lines drawn between keypoints when a keypoint-only motion (a human command) is drawn.
 KEYPOINT_EDGES = ((0, 1), (1, 3), (0, 2), (2, 4), (0, 5), (0, 6), (5, 6), (5, 7), (7, 9), (6, 8), (8, 10))
 
 
@@ -91,8 +85,7 @@ def quat_normalize(q: torch.Tensor) -> torch.Tensor:  # q / |q|, for any last di
     return q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def quat_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Hamilton product a * b (apply b first, then a)."""
+def quat_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # Hamilton product a * b (apply b first, then a)
     (aw, ax, ay, az), (bw, bx, by, bz) = a.unbind(-1), b.unbind(-1)
     return torch.stack((aw * bw - ax * bx - ay * by - az * bz,
                         aw * bx + ax * bw + ay * bz - az * by,
@@ -104,8 +97,7 @@ def quat_conj(q: torch.Tensor) -> torch.Tensor:
     return torch.cat((q[..., :1], -q[..., 1:]), dim=-1)  # the conjugate = the inverse of a unit quaternion
 
 
-def quat_apply(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Rotate vectors v [...,3] by q [...,4] (broadcasting)."""
+def quat_apply(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # rotates v [...,3] by q [...,4], broadcasting
     u, v = torch.broadcast_tensors(q[..., 1:], v)
     t = 2.0 * torch.linalg.cross(u, v, dim=-1)
     return v + q[..., :1] * t + torch.linalg.cross(u, t, dim=-1)
@@ -118,21 +110,18 @@ def quat_to_rotmat(q: torch.Tensor) -> torch.Tensor:  # [...,4] -> [...,3,3]
                         2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)), -1).unflatten(-1, (3, 3))
 
 
-def quat_from_axis_angle(axis: torch.Tensor, angle_rad: torch.Tensor) -> torch.Tensor:
-    """Rotation by angle_rad [...] about axis [...,3] (normalized here)."""
+def quat_from_axis_angle(axis: torch.Tensor, angle_rad: torch.Tensor) -> torch.Tensor:  # axis [...,3]: normalized here
     half = 0.5 * angle_rad[..., None]
     return torch.cat((torch.cos(half), torch.sin(half) * quat_normalize(axis)), dim=-1)
 
 
-def quat_from_rotvec(rotvec: torch.Tensor) -> torch.Tensor:
-    """Exponential map: axis * angle [...,3] -> [...,4] (exact near zero)."""
+def quat_from_rotvec(rotvec: torch.Tensor) -> torch.Tensor:  # exp map: axis * angle [...,3] -> [...,4], exact near 0
     angle = rotvec.norm(dim=-1, keepdim=True)
     k = torch.where(angle > 1e-6, torch.sin(0.5 * angle) / angle.clamp_min(1e-6), 0.5 - angle ** 2 / 48.0)
     return torch.cat((torch.cos(0.5 * angle), k * rotvec), dim=-1)
 
 
-def quat_to_rotvec(q: torch.Tensor) -> torch.Tensor:
-    """Logarithm map: [...,4] -> axis * angle [...,3], angle in [0, pi]."""
+def quat_to_rotvec(q: torch.Tensor) -> torch.Tensor:  # log map: [...,4] -> axis * angle [...,3], angle in [0, pi]
     q = torch.where(q[..., :1] < 0, -q, q)
     s = q[..., 1:].norm(dim=-1, keepdim=True)
     angle = 2.0 * torch.atan2(s, q[..., :1])
@@ -152,34 +141,29 @@ def quat_slerp(q0: torch.Tensor, q1: torch.Tensor, t: torch.Tensor | float) -> t
     return quat_normalize(s0 * q0 + s1 * q1)
 
 
-def yaw_rad(q: torch.Tensor) -> torch.Tensor:
-    """The heading of q [...,4]: its rotation about world z (rad)."""
+def yaw_rad(q: torch.Tensor) -> torch.Tensor:  # the heading of q [...,4]: its rotation about world z
     w, x, y, z = q.unbind(-1)
     return torch.atan2(2 * (w * z + x * y), 1 - 2 * (y * y + z * z))
 
 
-def rotate_z(v: torch.Tensor, angle_rad: torch.Tensor) -> torch.Tensor:
-    """Rotate vectors v [...,3] about world z by angle_rad [...]: 4x cheaper than quat_apply, for heading frames."""
+def rotate_z(v: torch.Tensor, angle_rad: torch.Tensor) -> torch.Tensor:  # about world z: 4x cheaper than quat_apply
     c, s = torch.cos(angle_rad), torch.sin(angle_rad)
     x, y, z = v.unbind(-1)
     rx, ry = c * x - s * y, s * x + c * y
     return torch.stack((rx, ry, z.expand_as(rx)), -1)
 
 
-def z_quat(angle_rad: torch.Tensor) -> torch.Tensor:
-    """The rotation about world z by angle_rad [...] as a quaternion [..., 4] (wxyz)."""
+def z_quat(angle_rad: torch.Tensor) -> torch.Tensor:  # the rotation about world z by angle_rad [...] -> [...,4]
     zero = torch.zeros_like(angle_rad)
     return torch.stack((torch.cos(0.5 * angle_rad), zero, zero, torch.sin(0.5 * angle_rad)), dim=-1)
 
 
-def quat_angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Geodesic angle (rad, in [0, pi]) between the rotations a and b."""
+def quat_angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # geodesic angle between a and b, in [0, pi]
     d = quat_mul(quat_conj(a), b)
     return 2.0 * torch.atan2(d[..., 1:].norm(dim=-1), d[..., 0].abs())
 
 
-def rot6d(q: torch.Tensor) -> torch.Tensor:
-    """Continuous 6D rotation feature: first two columns of the rotation matrix, [col0, col1] -> [...,6]."""
+def rot6d(q: torch.Tensor) -> torch.Tensor:  # continuous 6D feature: rotation matrix [col0, col1] -> [...,6]
     return torch.cat(quat_to_rotmat(q)[..., :2].unbind(-1), dim=-1)
 
 
@@ -191,8 +175,8 @@ def root_relative(points_w: torch.Tensor, root_pos_w: torch.Tensor, root_quat_w:
 # --- 3. Forward kinematics straight from the MJCF tree (no physics engine): world pose of body i = parent pose * offset
 #    (pos, quat in the parent frame) * rotation about its hinge axis (the pinned G1 MJCF: hinges at the body origins).
 class G1Kinematics:
-    def __init__(self, mjcf_path: str | os.PathLike | None = None, device: str | torch.device = "cpu"):
-        root = ET.parse(mjcf_path or g1_mjcf_path()).getroot()
+    def __init__(self, device: str | torch.device = "cpu"):
+        root = ET.parse(g1_mjcf_path()).getroot()
         defaults: dict[str, dict[str, dict[str, str]]] = {}  # <default> class name -> tag -> attributes
         names, parents, pos, quat, axis, limits, dof_names = [], [], [], [], [], [], []
         geoms: list[tuple[int, np.ndarray, float]] = []  # collision geoms: body, end points [2,3], radius
@@ -240,8 +224,7 @@ class G1Kinematics:
         self.geom_radius = torch.tensor([g[2] for g in geoms], **f32)
         self.default_root_pos = self.offset_pos[0].clone()  # the MJCF's standing pelvis position
 
-    def local_rot(self, dof_pos: torch.Tensor) -> torch.Tensor:
-        """[...,29] -> [...,29,4]: rotation of body i+1 relative to its parent (MJCF offset * hinge rotation)."""
+    def local_rot(self, dof_pos: torch.Tensor) -> torch.Tensor:  # [...,29] -> [...,29,4]: body i+1 in its parent
         return quat_mul(self.offset_quat[1:], quat_from_axis_angle(self.joint_axis, dof_pos))
 
     def forward(self, root_pos: torch.Tensor, root_quat: torch.Tensor, dof_pos: torch.Tensor
@@ -306,8 +289,7 @@ class HumanMotion:
     notes: list[str] = field(default_factory=list)
 
 
-def detect_format(path: pathlib.Path) -> str:
-    """The format from the file's content, not its name (an .npz may hold AMASS or mjlab motion)."""
+def detect_format(path: pathlib.Path) -> str:  # by content, not name: an .npz may hold AMASS or mjlab motion
     with open(path, "rb") as f:
         head = f.read(256)
     if not head:
@@ -341,17 +323,15 @@ def _fps(path: pathlib.Path, value, flag_fps: float | None) -> float:
 
 
 def _robot_motion(path: pathlib.Path, name: str, fps: float, root_pos, root_quat_wxyz, dof, allow_23dof: bool
-                  ) -> RobotMotion:
-    """The common tail of the robot loaders: float64 arrays, 23-DoF data mapped to 29 (wrists 0) when allowed."""
+                  ) -> RobotMotion:  # the robot loaders' tail: float64; 23-DoF data mapped to 29 (wrists 0)
     dof, notes = np.asarray(dof, np.float64), []
     if dof.shape[1] not in (len(DOF23_IDS), NUM_DOF):
         raise InputError(path, f"expected {NUM_DOF} (or {len(DOF23_IDS)}) joint angles per frame, found {dof.shape[1]}")
     if dof.shape[1] == len(DOF23_IDS):
         if not allow_23dof:
             raise InputError(path, "23-DoF data where 29 are required; pass --allow-23dof to map it (wrists set to 0)")
-        full = np.zeros((len(dof), NUM_DOF))
-        full[:, DOF23_IDS] = dof
-        dof = full
+        dof, dof23 = np.zeros((len(dof), NUM_DOF)), dof
+        dof[:, DOF23_IDS] = dof23
         notes.append("23-DoF source: the 6 wrist joints are set to 0")
     return RobotMotion(name, fps, np.asarray(root_pos, np.float64), np.asarray(root_quat_wxyz, np.float64), dof,
                        str(path), notes)
@@ -383,8 +363,7 @@ def load_mjlab_npz(path: pathlib.Path, fps: float | None = None, allow_23dof: bo
     else:
         if "body_pos_w" not in d or "body_quat_w" not in d:
             raise InputError(path, "no root pose: joint_pos has no root columns and body_pos_w/body_quat_w are missing")
-        names = [str(n) for n in d.get("body_names", ["pelvis"])]
-        root = names.index("pelvis") if "pelvis" in names else 0
+        root = next((k for k, n in enumerate(d.get("body_names", [])) if str(n) == "pelvis"), 0)
         root_pos, root_quat, dof = d["body_pos_w"][:, root], d["body_quat_w"][:, root], joint_pos
     if "joint_names" in d and dof.shape[1] == NUM_DOF:  # without names, joints are taken to be in MuJoCo order
         names = [str(n) for n in d["joint_names"]]
@@ -424,16 +403,14 @@ def load_smpl_model(path: pathlib.Path) -> dict[str, np.ndarray]:
     except Exception as e:  # a pickle that needs chumpy: ModuleNotFoundError
         raise InputError(path, f"cannot read the SMPL model ({type(e).__name__}: {e}); it needs {', '.join(keys)} "
                                f"(save a chumpy pickle as .npz)") from None
-    regressor = model["J_regressor"]
-    parents = np.r_[-1, np.asarray(model["kintree_table"], np.int64)[0, 1:]]  # the root's parent: -1
-    return dict(v_template=np.asarray(model["v_template"], np.float64), parents=parents,
-                J_regressor=np.asarray(regressor.toarray() if hasattr(regressor, "toarray") else regressor, np.float64),
-                shapedirs=np.asarray(model["shapedirs"], np.float64))
+    if hasattr(model["J_regressor"], "toarray"):  # scipy-sparse in some pickles
+        model["J_regressor"] = model["J_regressor"].toarray()
+    return {**{k: np.asarray(model[k], np.float64) for k in ("v_template", "shapedirs", "J_regressor")},
+            "parents": np.r_[-1, np.asarray(model["kintree_table"], np.int64)[0, 1:]]}  # the root's parent: -1
 
 
 def smpl_joints(model: dict[str, np.ndarray], poses: np.ndarray, trans: np.ndarray, betas: np.ndarray) -> np.ndarray:
-    """SMPL joint positions [T,NJ,3]: shaped rest joints J = R (v_template + shapedirs betas), then FK of the
-    axis-angle poses [T,>=3*22] along the kinematic tree, plus trans [T,3]."""
+    """Joints [T,NJ,3]: rest joints J_regressor (v_template + shapedirs betas), FK of the axis-angle poses, + trans."""
     nb = min(model["shapedirs"].shape[-1], len(betas))
     rest = model["J_regressor"] @ (model["v_template"] + model["shapedirs"][..., :nb] @ betas[:nb])  # [NJ,3]
     nj = min(len(model["parents"]), poses.shape[1] // 3)
@@ -448,8 +425,7 @@ def smpl_joints(model: dict[str, np.ndarray], poses: np.ndarray, trans: np.ndarr
 
 def load_amass_npz(path: pathlib.Path, fps: float | None = None, smpl_model: pathlib.Path | None = None
                    ) -> list[HumanMotion]:
-    """AMASS npz (poses [T,72|156|165], trans [T,3], betas, mocap_framerate|mocap_frame_rate, gender), z-up.
-    The SMPL body model is licensed and not shipped: joints need the user's model file (--smpl-model)."""
+    """AMASS npz (poses [T,72|156|165], trans [T,3], betas, mocap_framerate|mocap_frame_rate, gender), z-up."""
     with np.load(path, allow_pickle=False) as npz:
         d = dict(npz)
     if smpl_model is None:
@@ -478,8 +454,7 @@ BVH_NAMES = {
 
 
 def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> list[HumanMotion]:
-    """BVH: parse the hierarchy (offsets, channels) and motion, FK to joint positions (scale_m: metres per file unit,
-    CMU/cgspeed 0.056444), rotate `up` to z-up."""
+    """BVH -> joint positions (FK of the hierarchy); scale_m: metres per file unit (CMU/cgspeed 0.056444), `up` -> z."""
     tokens = path.read_text(errors="replace").split()
     names, parents, offsets, channels, stack = [], [], [], [], []  # stack: the open joints, innermost last
     try:
@@ -537,7 +512,6 @@ def load_bvh(path: pathlib.Path, scale_m: float = 0.056444, up: str = "y") -> li
 def load_motions(path: pathlib.Path, fmt: str = "auto", fps: float | None = None, allow_23dof: bool = False,
                  smpl_model: pathlib.Path | None = None, bvh_scale_m: float = 0.056444, bvh_up: str = "y"
                  ) -> list[RobotMotion | HumanMotion]:
-    """Load one file with the loader its content (or `fmt`) asks for."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise InputError(path, "no such file")
@@ -568,10 +542,9 @@ def clean_quaternions(path: str, quat: np.ndarray, tol: float = 1e-2) -> np.ndar
 
 def repair_glitches(dof: np.ndarray, fps: float, max_rad_s: float, max_window_s: float
                     ) -> tuple[np.ndarray, int, np.ndarray]:
-    """IK flips: joint speed > max_rad_s between two frames. Each one is repaired by widening a window around the jump
-    until a straight line between the window's ends stays under max_rad_s / 2 and replacing the inside by that line.
-    Jumps that need a window longer than max_window_s stay and mark their frames bad (their segment is dropped).
-    Returns (repaired dof, number of frames changed, bad frame mask)."""
+    """IK flips: joint speed > max_rad_s between two frames. Each is repaired by widening a window around the jump until
+    a straight line between its ends stays under max_rad_s / 2 and replacing the inside by that line; jumps needing a
+    window over max_window_s stay and mark their frames bad (segment dropped). -> (dof, frames changed, bad mask)"""
     dof = dof.copy()
     fast = np.abs(np.diff(dof, axis=0)) * fps > max_rad_s  # [T-1,29]
     (changed, bad), last = np.zeros((2, len(dof)), bool), len(dof) - 1
@@ -596,8 +569,7 @@ def repair_glitches(dof: np.ndarray, fps: float, max_rad_s: float, max_window_s:
 
 
 def resample_times(n: int, fps_in: float, fps_out: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Output frame k, at time k / fps_out (up to the last source frame), lies between source frames i0 and
-    i1 = i0 + 1 at weight w."""
+    """Output frame k (at k / fps_out, up to the last source frame) lies between source frames i0, i1 = i0 + 1 at w."""
     dt_out_s = 1.0 / fps_out
     n_out = int(np.floor((n - 1) / fps_in / dt_out_s + 1e-4)) + 1
     x = np.minimum(np.arange(n_out) * dt_out_s * fps_in, n - 1)
@@ -618,8 +590,7 @@ def resample(frames: dict, fps_in: float, fps_out: float, quat_keys: tuple[str, 
 
 
 def segment_bounds(n: int, fps: float, min_s: float = 2.0, max_s: float = 10.0, where: str = "clip"
-                   ) -> list[tuple[int, int]]:
-    """Split n frames into the fewest equal segments of at most max_s seconds (paper: clips of 2-10 s)."""
+                   ) -> list[tuple[int, int]]:  # the fewest equal segments of <= max_s seconds (paper: clips of 2-10 s)
     if n < min_s * fps:
         raise InputError(where, f"too short: {n / fps:.2f} s after cleaning (< {min_s:g} s)")
     k = int(np.ceil(n / (max_s * fps) - 1e-9))
@@ -634,15 +605,13 @@ PACKET_KEYS = ("fps", "body_names", "dof_names", "body_pos_w", "body_rotmat_w", 
                "keypoint_names", "text", "source", "license")
 HUMAN_KEYS = ("fps", "kind", "keypoint_names", "keypoints_w", "root_pos_w", "root_quat_w", "body_pos_w", "body_quat_w",
               "body_lin_vel_w", "body_ang_vel_w", "dof_pos", "dof_vel", "text", "source", "license")
-# A neutral standing pose (rad): the joint angles of a keypoint command's reference (a human motion gives none).
 STANCE_RAD = {"hip_pitch": -0.31, "knee": 0.67, "ankle_pitch": -0.36, "shoulder_pitch": 0.2, "elbow": 0.6,
-              "left_shoulder_roll": 0.2, "right_shoulder_roll": -0.2}
+              "left_shoulder_roll": 0.2, "right_shoulder_roll": -0.2}  # rad; a human motion gives no joint angles
 
 
-def robot_packet(kin: G1Kinematics, root_pos: np.ndarray, root_quat: np.ndarray, dof_pos: np.ndarray,
-                 fps: float = FPS) -> dict[str, np.ndarray]:
+def robot_packet(kin: G1Kinematics, root_pos: np.ndarray, root_quat: np.ndarray, dof_pos: np.ndarray) -> dict:
     """FK + velocities for a [T] motion (T >= 2) -> packet arrays (float32; metadata is added by the caller)."""
-    f32, dt_s = dict(dtype=torch.float32), 1.0 / fps
+    f32, dt_s = dict(dtype=torch.float32), 1.0 / FPS
     rp, rq, q = torch.tensor(root_pos, **f32), torch.tensor(root_quat, **f32), torch.tensor(dof_pos, **f32)
     body_pos, body_quat = kin.forward(rp, rq, q)
     lin_vel = torch.gradient(body_pos, spacing=dt_s, dim=0)[0]
@@ -698,17 +667,16 @@ def human_to_g1_keypoints(kin: G1Kinematics, joints: np.ndarray) -> tuple[np.nda
     return keypoints.numpy(), keypoints[:, 0].numpy(), heading.numpy()
 
 
-def stance_reference(kin: G1Kinematics, keypoints_w: np.ndarray, root_quat_w: np.ndarray, fps: float = FPS) -> dict:
+def stance_reference(kin: G1Kinematics, keypoints_w: np.ndarray, root_quat_w: np.ndarray) -> dict:
     """A keypoint command as a reference the env can start from and run: the stance at the command's root pose, its
-    SSJR keypoint bodies moved to the command's points. Only the keypoints are meaningful (the env scores and ends
-    such episodes by the keypoint error)."""
+    SSJR keypoint bodies moved to the command's points; only those count (the env scores and ends by keypoint error)."""
     stance = [next((v for k, v in STANCE_RAD.items() if name.endswith(k + "_joint")), 0.0) for name in DOF_NAMES]
     dof = np.broadcast_to(np.array(stance, np.float32), (len(keypoints_w), NUM_DOF)).copy()
     pos, quat = kin.forward(torch.as_tensor(keypoints_w[:, KEYPOINT_NAMES.index("pelvis")]),
                             torch.as_tensor(root_quat_w), torch.as_tensor(dof))
     pos = pos.numpy().copy()
     pos[:, list(KEYPOINT_BODY_IDS)] = keypoints_w
-    return {"body_pos_w": pos, "body_quat_w": quat.numpy(), "body_lin_vel_w": np.gradient(pos, 1.0 / fps, axis=0),
+    return {"body_pos_w": pos, "body_quat_w": quat.numpy(), "body_lin_vel_w": np.gradient(pos, 1.0 / FPS, axis=0),
             "body_ang_vel_w": np.zeros_like(pos), "dof_pos": dof, "dof_vel": np.zeros_like(dof)}
 
 
@@ -735,8 +703,7 @@ def save_packet(path: str | os.PathLike, packet: dict) -> pathlib.Path:
     return write_atomic(path, write)
 
 
-def packet_kind(path: str | os.PathLike) -> str:
-    """'robot' (an SSJR packet) or 'human_keypoints' (a keypoint command): the file's `kind` alone (absent: robot)."""
+def packet_kind(path: str | os.PathLike) -> str:  # 'robot' or 'human_keypoints': the file's `kind` (absent: robot)
     try:
         with np.load(path) as z:
             kind = str(z["kind"]) if "kind" in z.files else "robot"
@@ -811,13 +778,11 @@ def _check_finite(where: str, **arrays: np.ndarray) -> None:
     for key, a in arrays.items():
         if len(a) == 0:
             raise InputError(where, "empty clip (no frames)")
-        ok = np.isfinite(a).reshape(len(a), -1).all(axis=1)
-        if not ok.all():
+        if not (ok := np.isfinite(a).reshape(len(a), -1).all(axis=1)).all():
             raise InputError(where, f"NaN/inf in {key} at frame {int(np.argmin(ok))}")
 
 
-def _where(m: RobotMotion | HumanMotion) -> str:
-    """How errors name a clip: its file, plus the clip's name when the file holds several clips."""
+def _where(m: RobotMotion | HumanMotion) -> str:  # errors name a clip's file, plus its name if the file has several
     return m.source if m.name == pathlib.Path(m.source).stem else f"{m.source} [{m.name}]"
 
 
@@ -837,7 +802,6 @@ def write_segments(m: RobotMotion | HumanMotion, args: Convert, report: ClipRepo
 
 
 def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: ClipReport) -> None:
-    """Clean, resample, segment, FK and check one robot clip; write its packets."""
     shapes = (m.root_pos.shape, m.root_quat.shape, m.dof_pos.shape)
     if shapes != ((len(m.dof_pos), 3), (len(m.dof_pos), 4), (len(m.dof_pos), NUM_DOF)):
         raise InputError(_where(m), f"root pos / root quat / dof shapes {shapes} do not match [T,3] [T,4] [T,29]")
@@ -863,7 +827,6 @@ def convert_robot(m: RobotMotion, kin: G1Kinematics, args: Convert, report: Clip
 
 
 def convert_human(m: HumanMotion, kin: G1Kinematics, args: Convert, report: ClipReport) -> None:
-    """Resample a human clip, scale it to the G1 as SSJR keypoints, segment, write keypoint command files."""
     _check_finite(_where(m), joints=m.joints)
     joints = resample(dict(joints=m.joints), m.fps, FPS)["joints"].numpy()
     bounds = segment_bounds(len(joints), FPS, args.min_s, args.max_s, _where(m))
@@ -873,8 +836,7 @@ def convert_human(m: HumanMotion, kin: G1Kinematics, args: Convert, report: Clip
                         **stance_reference(kin, keypoints, root_quat)), bounds)
 
 
-def convert(args: Convert) -> list[ClipReport]:
-    """Convert every file, printing one line per clip; a bad file or clip is reported (on stderr) and skipped."""
+def convert(args: Convert) -> list[ClipReport]:  # a line per clip; a bad file or clip is reported (stderr), skipped
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.out).close()
@@ -910,8 +872,7 @@ def convert(args: Convert) -> list[ClipReport]:
     return reports
 
 
-def train_test_split(packet_paths) -> tuple[list, list]:
-    """(train, test): a packet is test when its name is a TEST_CLIPS clip or one of its segments (<clip>_segNN)."""
+def train_test_split(packet_paths) -> tuple[list, list]:  # (train, test); test: TEST_CLIPS and their <clip>_segNN
     paths = list(packet_paths)
     test = [any(s == c or s.startswith(c + "_seg") for c in TEST_CLIPS) for s in (pathlib.Path(p).stem for p in paths)]
     return [p for p, t in zip(paths, test) if not t], [p for p, t in zip(paths, test) if t]
@@ -972,7 +933,6 @@ def render_motion(body_pos: np.ndarray, out_path: str | os.PathLike, fps: float,
 def show(packet: tyro.conf.Positional[pathlib.Path], out: pathlib.Path = pathlib.Path("clip.png"),
          start_s: float = 0.0, duration_s: float | None = None) -> str:
     """Draw a packet: a strip of frames (.png) or an animation (.mp4 / .gif).
-
     Args:
         packet: an SSJR packet or human keypoint command (.npz)
         out: output picture or animation

@@ -235,8 +235,7 @@ def train(args: Args, env=None) -> pathlib.Path:
                             terrain_seed=args.seed, performance_mode=args.performance_mode)  # one terrain for all
     if rng is not None:  # this rank's env stream, before the first reset
         env.gen.set_state(rng["env"]["gen"])
-    obs = env.reset()
-    layout = env.obs_layout
+    obs, layout = env.reset(), env.obs_layout
     model.check_layout(args.teacher_ckpt, tckpt["obs_layout"], layout, teacher.actor_obs)
     policy = StudentPolicy(layout, args).to(device)
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=1e-5)
@@ -289,7 +288,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             ssjr.write_atomic(run_dir / "student.pt", lambda tmp: torch.save(ckpt, tmp))
 
     first_iteration, start_step = iteration, global_step
-    finished = {"global_step": global_step, "iteration": iteration, "rng": random_streams()}
+    finished = dict(global_step=global_step, iteration=iteration, rng=random_streams())
     stop = torch.zeros((), device=device)  # set by a signal on any rank; the ranks agree on it every iteration
     previous = {sig: signal.signal(sig, lambda *_: stop.fill_(1.0)) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -300,8 +299,6 @@ def train(args: Args, env=None) -> pathlib.Path:
     data_labels = torch.zeros(capacity, ssjr.NUM_DOF, device=device)
     ep_len = torch.zeros(n, device=device)
     per_iteration = n * T * world  # env-steps of one iteration, all ranks together
-    collected = 0  # rollouts in the data set since this process started (a resumed run refills it)
-
     start_time = time.time()
     try:
         while global_step + per_iteration <= args.total_env_steps:
@@ -311,7 +308,7 @@ def train(args: Args, env=None) -> pathlib.Path:
             beta = args.beta * args.beta_decay ** (iteration - 1)
             for group in optimizer.param_groups:
                 group["lr"] = args.lr * (1.0 - global_step / args.total_env_steps)
-            oldest = collected % args.buffer_iterations * T * n  # this rollout replaces the oldest one
+            oldest = (iteration - 1 - first_iteration) % args.buffer_iterations * T * n  # replaces the oldest rollout
             step_sums = dict.fromkeys(("action_mse", "gt_err_m", "teacher_fraction"), 0.0)  # on the device, read once
             episode_sums = dict.fromkeys(("episodes", "length", "successes"), 0.0)
             for step in range(T):
@@ -335,10 +332,9 @@ def train(args: Args, env=None) -> pathlib.Path:
                 episode_sums["successes"] += (info["time_out"].float() * ended).sum()
                 ep_len *= 1.0 - ended
             global_step += per_iteration
-            collected += 1
 
             # ALGO LOGIC: regress alpha_2 onto alpha_1 over the data set (the last buffer_iterations rollouts at most)
-            filled = min(collected, args.buffer_iterations) * T * n
+            filled = min(iteration - first_iteration, args.buffer_iterations) * T * n  # a resumed run refills it
             epoch_losses = dagger_update(learner, optimizer, {k: v[:filled] for k, v in data_obs.items()},
                                          data_labels[:filled], T * n, args, amp, world)
             # observation statistics: after the update (it regressed with the rollout's normalization), from every 4th
@@ -348,9 +344,8 @@ def train(args: Args, env=None) -> pathlib.Path:
 
             # logging: one host read (means over the ranks, episode sums over all of them)
             totals = {**episode_sums, "nan_resets": env.nan_resets}
-            mean_t = model.all_reduce(torch.stack(list(step_sums.values())) / T)
-            total_t = model.all_reduce(torch.stack([torch.as_tensor(v, device=device).float()
-                                                      for v in totals.values()]))
+            stack = lambda d: torch.stack([torch.as_tensor(v, device=device).float() for v in d.values()])
+            mean_t, total_t = model.all_reduce(stack(step_sums) / T), model.all_reduce(stack(totals))
             mean, total = dict(zip(step_sums, (mean_t / world).tolist())), dict(zip(totals, total_t.tolist()))
             per_episode = {k: total[k] / total["episodes"] if total["episodes"] else float("nan")
                            for k in ("length", "successes")}
@@ -361,7 +356,7 @@ def train(args: Args, env=None) -> pathlib.Path:
                        "charts/nan_resets": total["nan_resets"], "charts/SPS": sps, "iteration": iteration,
                        "losses/dagger_mse_first_epoch": epoch_losses[0], "losses/dagger_mse": epoch_losses[-1],
                        "losses/lr": optimizer.param_groups[0]["lr"]}
-            finished = {"global_step": global_step, "iteration": iteration, "rng": random_streams()}
+            finished = dict(global_step=global_step, iteration=iteration, rng=random_streams())
             if writer is not None:
                 for k, v in scalars.items():
                     writer.add_scalar(k, v, global_step)

@@ -33,17 +33,13 @@ from ssjr import InputError
 @dataclass
 class Args:
     """PPO training of the HoRD teacher."""
-    preset: str = "paper"
-    """'paper' (the defaults below: the paper's configuration, GPU) or 'cpu' (small, runs on a CPU in minutes)"""
+    preset: str = "paper"  # 'paper' (the defaults below: the paper's, GPU) or 'cpu' (small: minutes on a CPU)
     exp_name: str = "teacher"  # name of this experiment (run folder prefix)
     seed: int = 0  # seed of torch, numpy, random and the env (rank r of a torchrun job uses seed + r)
-    device: str = ""
-    """torch / simulation device ('': cuda, or a resumed run's own; no silent fallback: cuda without a GPU is an error,
-    --device cpu runs on purpose)"""
+    device: str = ""  # torch / simulation device ('': cuda, or a resumed run's own; cuda without a GPU is an error)
     amp: bool = False  # bf16 autocast of the forward passes (CUDA; fp32 matmuls use TF32 there anyway)
     torch_threads: int = 0  # intra-op CPU threads of torch (0: torch's default)
-    num_envs: int = 4096
-    """parallel environments per rank (torchrun: each process runs this many; a plain run is one rank)"""
+    num_envs: int = 4096  # parallel environments per rank (torchrun: each process runs this many)
     performance_mode: bool = False
     """Genesis: kernels compiled for this num_envs (2x faster CPU physics; ~70 s compile at every start)"""
     total_env_steps: int = 1_000_000_000  # control steps to train for (all envs together)
@@ -60,6 +56,7 @@ class Args:
     """iterations between kept copies teacher_it<N>.pt (0: none): checkpoints a few hundred k steps apart can differ
     by tens of points from frame 0 under DR, so pick one by evaluation on held seeds (docs/experiments.md)"""
     resume: str = ""  # checkpoint of this script to continue (only the budget, device and --keep-every may change)
+    init_ckpt: str = ""  # a teacher checkpoint whose actor starts this run (fine-tuning; the critic starts afresh)
     run_dir: str = ""  # where logs and checkpoints go (default runs/{exp_name}_{sim}_{seed}_{time})
     sim: str = "isaaclab"
     """simulator: isaaclab (the paper's training engine), mujoco (its CPU twin, the cpu preset's), genesis,
@@ -67,9 +64,9 @@ class Args:
     motions: str = "data/packets/g1_moves"  # SSJR packet folder or file (the held-out test clips are excluded)
     terrain: str = "mix"  # flat | smooth_slope | rough_slope | mix (paper: 0.5 flat, 0.25 each slope)
     no_dr: bool = False  # the 'w/o DR' ablation: nominal dynamics every episode
+    clamp_targets: bool = False  # PD targets clamped to the joint ranges in the env (a robot's safety layer)
     no_hcdr: bool = False  # the 'w/o HCDR' ablation: no history token
-    psi_actor: bool = False
-    """the actor also reads the true psi as a token (an oracle, not HoRD): the headroom any history encoder has"""
+    psi_actor: bool = False  # the actor also reads the true psi (an oracle, not HoRD): any history encoder's headroom
     root_velocity: bool = True
     """the actor reads the root's linear velocity (privileged, as in the paper); --no-root-velocity (the cpu preset):
     the bodies' velocities relative to the root's, which encoders and an IMU give, so that a student can follow its
@@ -117,8 +114,7 @@ PRESETS = {
 
 @dataclass
 class Preset:
-    preset: str = "paper"
-    """the defaults: paper (the paper's configuration, GPU) or cpu (a small model for a 2-core CPU); flags override"""
+    preset: str = "paper"  # the defaults: paper (the paper's configuration, GPU) or cpu (a small model); flags override
 
 
 # The env keys the teacher reads; their shapes are checked against the checkpoint's observation layout.
@@ -155,6 +151,19 @@ def ppo_losses(agent, obs, actions, old_logprob, advantages, returns, old_values
     return pg_loss, v_loss, approx_kl, clipfrac
 
 
+def robot_motions(motions: str) -> str | list[str]:
+    """--motions for a teacher, whose reward and observations use the robot's bodies and joints: human keypoint
+    commands in a folder are skipped (and named); a file or folder of nothing else is an error."""
+    paths = envs.resolve_motions(motions)
+    human = [p for p in paths if ssjr.packet_kind(p) == "human_keypoints"]
+    if len(human) == len(paths):
+        raise InputError(motions, "only human keypoint commands: a teacher needs robot motions (G1 SSJR packets)")
+    if human:
+        print(f"skipping human keypoint commands in {motions} (a teacher needs robot motions): "
+              f"{', '.join(p.name for p in human)}")
+    return [str(p) for p in paths if p not in human] if human else motions
+
+
 def start_rank(args):
     """This process's device, world size and rank, checked before any engine starts: torchrun starts one rank per GPU
     or CPU core (nccl on CUDA, gloo on the CPU); cuda without a GPU is an error, not a silent fallback to the CPU.
@@ -182,7 +191,7 @@ def start_rank(args):
 
 def random_streams(env, device, world: int) -> list[dict]:
     """Every rank's random streams in rank order, as a checkpoint holds them: the learner's (torch's global stream:
-    sampling, minibatch order; CUDA's) and the env's (resets, DR draws, clip weights)."""
+    sampling, minibatch order; CUDA's) and the env's (resets, DR draws, a teacher's clip weights)."""
     mine = {"torch": torch.get_rng_state(), "env": {"gen": env.gen.get_state(), "clip_weights": env.clip_weights},
             **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
     out = [mine] * world
@@ -191,37 +200,26 @@ def random_streams(env, device, world: int) -> list[dict]:
     return out
 
 
-def robot_motions(motions: str) -> str | list[str]:
-    """--motions for a teacher, whose reward and observations use the robot's bodies and joints: human keypoint
-    commands in a folder are skipped (and named); a file or folder of nothing else is an error."""
-    paths = envs.resolve_motions(motions)
-    human = [p for p in paths if ssjr.packet_kind(p) == "human_keypoints"]
-    if len(human) == len(paths):
-        raise InputError(motions, "only human keypoint commands: a teacher needs robot motions (G1 SSJR packets)")
-    if human:
-        print(f"skipping human keypoint commands in {motions} (a teacher needs robot motions): "
-              f"{', '.join(p.name for p in human)}")
-    return [str(p) for p in paths if p not in human] if human else motions
-
-
 def main(args: Args) -> pathlib.Path:
     # --- set-up: a resumed run takes its checkpoint's settings (only the budget, device and kept copies may change)
     resume = model.load_checkpoint(args.resume, "teacher") if args.resume else None
     if resume is not None and "rng" not in resume:
-        raise InputError(args.resume, "weights only (a shipped model): it can be evaluated, exported or distilled "
-                                      "from, not resumed")
+        raise InputError(args.resume, "weights only (a shipped model): it can be evaluated, distilled from or "
+                                      "fine-tuned (--init-ckpt), not resumed")
     if resume is not None:
         args = model.resumed_args(args, resume, PRESETS)
     if args.minibatch_size > args.num_envs * args.num_steps:
         raise InputError("--minibatch-size", f"{args.minibatch_size} is larger than a rollout ({args.num_envs} envs "
                                              f"x {args.num_steps} steps)")
+    init = model.load_checkpoint(args.init_ckpt, "teacher") if args.init_ckpt and resume is None else None
     device, world, rank = start_rank(args)
     # a resumed rank goes on with its own random streams (if the checkpoint has them for this rank and device type)
     same_kind = resume is not None and torch.device(resume["args"]["device"]).type == device.type
     rng = resume["rng"][rank] if same_kind and rank < len(resume["rng"]) else None
 
     env_cfg = dict(sim=args.sim, motions=robot_motions(args.motions), terrain=args.terrain,  # the student's env too
-                   dr=None if args.no_dr else "default", root_velocity=args.root_velocity)
+                   dr=None if args.no_dr else "default", root_velocity=args.root_velocity,
+                   clamp_targets=args.clamp_targets)
     env = envs.make_env(**env_cfg, num_envs=args.num_envs, device=str(device), seed=args.seed + rank,
                         terrain_seed=args.seed, performance_mode=args.performance_mode)  # one terrain for all ranks
     env.frame0_share, env.grace_steps = args.frame0_share, args.grace_steps
@@ -232,13 +230,16 @@ def main(args: Args) -> pathlib.Path:
         env.gen.set_state(rng["env"]["gen"])
         if rng["env"].get("clip_weights") is not None:
             env.clip_weights = rng["env"]["clip_weights"].to(device)
-    obs = env.reset()
-    layout = env.obs_layout
+    obs, layout = env.reset(), env.obs_layout
     agent = model.Agent(layout, args).to(device)
     agent.update_norms(obs)
     actor_opt = torch.optim.Adam(agent.actor.parameters(), lr=args.actor_lr, eps=1e-5)
     critic_opt = torch.optim.Adam(agent.critic.parameters(), lr=args.critic_lr, eps=1e-5)
     global_step, iteration = 0, 0
+    if init is not None:  # fine-tuning: its actor; a fresh critic, optimizers and counters
+        model.check_layout(args.init_ckpt, init["obs_layout"], layout, agent.actor_obs)
+        model.load_weights(args.init_ckpt, agent.actor, {k[6:]: v for k, v in init["model"].items()
+                                                         if k.startswith("actor.")})
     if resume is not None:
         model.check_layout(args.resume, resume["obs_layout"], layout, TEACHER_OBS)
         for module, key in ((agent, "model"), (actor_opt, "actor_opt"), (critic_opt, "critic_opt")):
@@ -265,7 +266,7 @@ def main(args: Args) -> pathlib.Path:
         print("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in dataclasses.asdict(args).items()))
         writer = SummaryWriter(run_dir, purge_step=global_step + 1)  # a resumed run hides what came after its step
     first_iteration, start_step = iteration, global_step
-    finished = {"global_step": global_step, "iteration": iteration, "rng": random_streams(env, device, world)}
+    finished = dict(global_step=global_step, iteration=iteration, rng=random_streams(env, device, world))
 
     def save(keep: bool = False):  # the weights now with the counters and streams of the last whole iteration
         if rank == 0 and finished["iteration"] > first_iteration:
@@ -310,8 +311,7 @@ def main(args: Args) -> pathlib.Path:
                 for k in step_sums:  # nanmean: a blown-up env is NaN
                     step_sums[k] += (info["reward_terms"] if k in envs.REWARD_COEFFS else info["metrics"])[k].nanmean()
                 ended = done.float()
-                clip_stats[0].index_add_(0, info["clip"], ended)
-                clip_stats[1].index_add_(0, info["clip"], info["failed"].float())
+                clip_stats.index_add_(1, info["clip"], torch.stack([ended, info["failed"].float()]))
                 for k, v in (("episodes", ended), ("return", ep_return * ended), ("length", ep_len * ended),
                              ("successes", info["time_out"].float() * ended)):
                     episode_sums[k] += v.sum()
@@ -357,13 +357,11 @@ def main(args: Args) -> pathlib.Path:
                             elif kl < 0.5 * args.desired_kl:
                                 group["lr"] = min(group["lr"] * 1.5, args.actor_lr_max)
                     loss = pg_loss + args.vf_coef * v_loss
-                    actor_opt.zero_grad()
-                    critic_opt.zero_grad()
+                    agent.zero_grad()
                     loss.backward()
-                    nn.utils.clip_grad_norm_(agent.actor.parameters(), args.max_grad_norm)
-                    nn.utils.clip_grad_norm_(agent.critic.parameters(), args.max_grad_norm)
-                    actor_opt.step()
-                    critic_opt.step()
+                    for part, opt in ((agent.actor, actor_opt), (agent.critic, critic_opt)):  # each clipped on its own
+                        nn.utils.clip_grad_norm_(part.parameters(), args.max_grad_norm)
+                        opt.step()
 
             # observation statistics: updated after the PPO update (the update must see the rollout's normalization),
             # from every 4th rollout step (consecutive steps are nearly the same states: a quarter of the cost)
@@ -400,7 +398,7 @@ def main(args: Args) -> pathlib.Path:
                        **{f"rewards/{k}": mean[k] for k in envs.REWARD_COEFFS},
                        **{f"dr/{k}": mean[k] for k in env.psi},
                        **{f"clip_weight/{i}": w for i, w in enumerate(clip_weights)}}
-            finished = {"global_step": global_step, "iteration": iteration, "rng": random_streams(env, device, world)}
+            finished = dict(global_step=global_step, iteration=iteration, rng=random_streams(env, device, world))
             if writer is not None:
                 for k, v in scalars.items():
                     writer.add_scalar(k, v, global_step)

@@ -10,7 +10,8 @@ import ssjr  # noqa: E402
 
 torch.set_num_threads(1)  # small batched tensors: extra threads only contend with the simulators on 2 cores
 
-TRAIN_CLIP = "karate/M_ShortMove14.csv"  # a calm 6.5 s clip (FACTS.md, CPU learning calibration)
+TRAIN_CLIP = "karate/M_ShortMove14.csv"  # a calm 6.5 s clip: the README's one-clip recipe and the shipped models'
+# clip (README "Shipped models"; docs/experiments.md, CPU learning calibration)
 
 
 def pytest_configure(config):

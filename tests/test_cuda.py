@@ -3,6 +3,7 @@
 Both engines at 4096 envs with DR and the terrain mix, two iterations of the teacher's paper preset and one of the
 student's, a blow-up injected on the GPU; each prints its env-steps/s and the peak GPU memory."""
 import dataclasses
+import math
 import time
 
 import pytest
@@ -67,7 +68,7 @@ def test_paper_presets_teacher_two_iterations_student_one(amp, train_packet, tmp
     t_path = teacher.main(dataclasses.replace(teacher.Args(), sim="genesis", motions=str(train_packet), amp=amp,
                                               total_env_steps=2 * per_it, run_dir=str(tmp_path / "teacher")))
     log = read_log(tmp_path / "teacher")
-    assert log["iteration"] == [1, 2] and all(v == v for v in log["losses/value_loss"])
+    assert log["iteration"] == [1, 2] and all(math.isfinite(v) for v in log["losses/value_loss"])
     print(f"\nteacher paper preset (amp={amp}): {log['charts/SPS'][-1]:,.0f} env-steps/s incl. learning, "
           f"{time.perf_counter() - start:.0f} s for 2 iterations, peak GPU memory {peak_gib():.1f} GiB")
     torch.cuda.reset_peak_memory_stats()
@@ -75,6 +76,6 @@ def test_paper_presets_teacher_two_iterations_student_one(amp, train_packet, tmp
                           run_dir=str(tmp_path / "student"))
     student.train(s_args)
     s_log = read_log(tmp_path / "student")
-    assert s_log["iteration"] == [1] and s_log["losses/dagger_mse"][0] == s_log["losses/dagger_mse"][0]
+    assert s_log["iteration"] == [1] and math.isfinite(s_log["losses/dagger_mse"][0])
     print(f"student paper preset (amp={amp}): {s_log['charts/SPS'][-1]:,.0f} env-steps/s incl. learning, peak GPU "
           f"memory {peak_gib():.1f} GiB")

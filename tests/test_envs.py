@@ -334,13 +334,14 @@ def test_random_actions_never_produce_nan(env):
 
 def test_nan_envs_are_reset_and_counted(env):
     obs = env.reset()
-    is_nan = env.sim.nan_envs
+    before, is_nan = int(env.nan_resets), env.sim.nan_envs
     env.sim.nan_envs = lambda: torch.arange(N) == 3  # the engine reports env 3 as blown up
     try:
         obs, reward, done, info = env.step(obs["ref_dof_pos"])
     finally:
         env.sim.nan_envs = is_nan
-    assert done[3] and info["nan"][3] and info["nan_resets"] >= 1 and reward[3] == 0
+    assert done[3] and info["nan"][3] and int(info["nan_resets"]) == before + 1 and reward[3] == 0
+    assert info["nan"].sum() == 1 and info["failed"][3]  # only env 3 blew up; a blow-up counts as a failure
     assert env.step_count[3] == 0  # it starts a new episode
 
 
@@ -614,3 +615,21 @@ def test_training_levers_frame0_share_clip_weights_and_grace_steps(packets):
         _, _, done, info = env.step(obs["ref_dof_pos"])
         assert info["failed"].all() if grace == 0 else not info["failed"].any()
     env.close()
+
+
+def test_clamp_targets_plays_and_remembers_targets_within_the_joint_ranges(train_packet):
+    """make_env(clamp_targets=True): a target beyond its joint's range is played (PD law, delay line) and remembered
+    (proprio, history) at the range's end; without it, as given."""
+    kin = ssjr.G1Kinematics()
+    beyond = kin.dof_upper_rad + 0.3
+    for clamp in (False, True):
+        env = envs.make_env("mujoco", 2, "cpu", train_packet, seed=0, clamp_targets=clamp)
+        env.reset()
+        q, qd = (x.clone() for x in env.sim.dof_state())
+        env.step(beyond.expand(2, -1))
+        played = kin.dof_upper_rad if clamp else beyond
+        torch.testing.assert_close(env.alpha_line[:, -1], played.expand(2, -1))
+        torch.testing.assert_close(env.history[:, -1, -envs.NUM_DOF:], played.expand(2, -1))
+        tau = (env.kp * (played - q) - env.kd * qd).clamp(-env.effort_limit_nm, env.effort_limit_nm)  # no DR, no delay
+        torch.testing.assert_close(env.substep_tau[0], tau, rtol=1e-4, atol=1e-4)
+        env.close()

@@ -500,6 +500,9 @@ class ScriptedEnv:
         self.raise_at_step = raise_at_step
         self.obs_layout = {"proprio": [5, 3]}
         self.seeds, self.closed, self.steps = [], False, 0
+        self.device, self.target_range_rad, self.played = "cpu", None, []  # the targets step() received
+        self.substep_tau = torch.full((4, num_envs, 29), -7.0)
+        self.sim = type("Sim", (), {"dof_state": lambda _: (torch.zeros(num_envs, 29), torch.zeros(num_envs, 29))})()
 
     def reseed(self, seed):
         self.seeds.append(seed)
@@ -521,6 +524,7 @@ class ScriptedEnv:
     def step(self, alpha):
         assert not self.closed, "stepped after close()"
         self.steps += 1
+        self.played.append(alpha.clone())
         if self.steps == self.raise_at_step:
             raise RuntimeError("engine exploded")
         n = self.num_envs
@@ -557,17 +561,16 @@ def test_run_episodes_records_each_planned_episode():
     plan = ev.episode_plan(3, len(lengths), 2)
     recs = list(ev.run_episodes(env, env.reseed(0), ZeroPolicy(), plan))
     assert sorted((r["clip"], r["episode"]) for r in recs) == [(c, e) for c in range(4) for e in range(2)]
+    fail_step = {plan[i][k]: step for (i, k), step in env.fail_at.items()}  # (clip, episode) -> the step it fails at
+    assert len(fail_step) == 2 and None not in fail_step  # both scripted failures fall on planned episodes
     for r in recs:
-        failed_here = any(plan[i][k] == (r["clip"], r["episode"]) for (i, k) in ((0, 0), (1, 1)))
-        expected_steps = {(0, 0): 2, (1, 1): 1}
+        failed_here = (r["clip"], r["episode"]) in fail_step
         assert r["failed"] == failed_here and r["time_out"] == (not failed_here)
-        if not failed_here:
-            assert r["steps"] == lengths[r["clip"]]
+        assert r["steps"] == fail_step.get((r["clip"], r["episode"]), lengths[r["clip"]])  # its fall, or the clip end
         assert r["body_pos_w"].shape == (r["steps"], 30, 3) and r["ref_body_quat_w"].shape == (r["steps"], 30, 4)
         np.testing.assert_allclose(r["body_pos_w"][..., 2], 0.1 * (r["clip"] + 1), rtol=1e-6)
         assert r["psi"] == {"mass_scale": pytest.approx(1.05)} and not r["truncated"]
         assert r["pushes"] == int(r["steps"] >= 2)  # pushed at step 2 of an episode, if it lasts that long
-    assert {r["steps"] for r in recs if r["failed"]} <= set(expected_steps.values())
 
 
 def test_run_episodes_truncates_at_max_steps():
@@ -575,6 +578,47 @@ def test_run_episodes_truncates_at_max_steps():
     recs = list(ev.run_episodes(env, env.reseed(0), ZeroPolicy(), ev.episode_plan(2, 3, 1), max_steps=4))
     assert sorted(r["clip"] for r in recs) == [0, 1] and all(r["truncated"] and r["steps"] == 4 for r in recs)
     assert all(r["pushes"] == 1 for r in recs)
+
+
+def test_joint_range_metrics():
+    """Shares of the steps, the mean excess of the targets outside, the torque of the joint-steps at a stop."""
+    excess, gap = torch.full((4, 29), -1.0), torch.full((4, 29), 0.5)
+    excess[0, 3], excess[2, 5], excess[2, 6] = 0.1, 0.2, 0.3  # steps 0 and 2 have a target outside
+    gap[1, 0], gap[1, 1], gap[3, 2] = 0.005, 0.02, -0.001  # a joint within 0.01 rad of its stop at steps 1 and 3
+    tau = torch.arange(4 * 29, dtype=torch.float64).reshape(4, 29) - 60
+    pos = torch.zeros(4, 30, 3, dtype=torch.float64)
+    quat = torch.tensor([1.0, 0, 0, 0], dtype=torch.float64).repeat(4, 30, 1)
+    m = ev.episode_metrics({**rec(pos, quat, pos, quat), "target_excess_rad": excess, "stop_gap_rad": gap,
+                            "joint_torque_nm": tau})
+    assert m["targets_outside_pct"] == m["at_stop_pct"] == 50.0
+    assert m["target_excess_deg"] == pytest.approx(math.degrees(0.2))
+    assert m["stop_torque_nm"] == pytest.approx((abs(29 - 60) + abs(3 * 29 + 2 - 60)) / 2)
+    assert all(math.isnan(ev.episode_metrics(rec(pos, quat, pos, quat))[k]) for k in ev.JOINT_METRICS)  # deploy.py's
+
+
+def test_clipped_setting_plays_targets_within_the_joint_ranges():
+    kin = ssjr.G1Kinematics()
+    beyond = (kin.dof_upper_rad + 0.1).clone()
+    beyond[0] = kin.dof_lower_rad[0] - 0.2  # one target below its range, the others above
+
+    class Beyond(ZeroPolicy):
+        def act(self, obs):
+            return beyond.expand(len(obs["proprio"]), -1)
+    for cells, outside in (((), True), ((ev.CLIPPED,), False)):
+        env = ScriptedEnv(2, [3, 3])
+        q = torch.zeros(2, 29)
+        q[:, 0] = kin.dof_lower_rad[0] + 0.005  # joint 0 at its stop, the others off theirs
+        env.sim = type("Sim", (), {"dof_state": lambda _: (q, torch.zeros(2, 29))})()
+        r = next(ev.run_episodes(env, env.reseed(0), Beyond(), ev.episode_plan(2, 2, 1), cells=cells))
+        played = torch.stack(env.played)
+        assert bool(((played > kin.dof_upper_rad) | (played < kin.dof_lower_rad)).all(-1).all()) == outside
+        np.testing.assert_allclose(r["target_excess_rad"][:, 0], 0.2 if outside else 0.0, atol=1e-6)
+        m = ev.episode_metrics(r)
+        assert (m["targets_outside_pct"], m["at_stop_pct"], m["stop_torque_nm"]) == (100.0 * outside, 100.0, 7.0)
+    assert ev.parse_setting("mujoco:clipped", "mujoco").cells == (ev.CLIPPED,)  # with or without +dr
+    assert ev.parse_setting("mujoco+dr:delay8:clipped", "mujoco").title == "MuJoCo+DR delay8 clipped (ID)"
+    with pytest.raises(ssjr.InputError, match="--settings: bad cells in 'mujoco': .* after \\+dr, or clipped"):
+        ev.parse_setting("mujoco:delay8", "mujoco")
 
 
 def test_keypoint_command_metrics():
@@ -946,4 +990,7 @@ def test_main_with_tiny_teacher_and_student_checkpoints(tmp_path, sim, tiny_chec
     lines = (tmp_path / "episodes.csv").read_text().splitlines()
     assert len(lines) == 1 + 2 * 2 * 1  # checkpoints x seeds x one episode of the one clip (no DR: near-identical)
     assert {line.split(",")[lines[0].split(",").index("kind")] for line in lines[1:]} == {"teacher", "student"}
-    assert summary["comparisons"][ev.ROBOT] and "## Paired comparisons" in (tmp_path / "table.md").read_text()
+    comparisons = summary["comparisons"][ev.ROBOT]  # the student against the teacher (the first label), in the cell
+    assert {(c["label"], c["reference"], c["setting"]) for c in comparisons} == {("tiny_student", "tiny_teacher", sim)}
+    assert {"success", "g_mpjpe_mm"} <= {c["metric"] for c in comparisons} and all(c["n"] == 2 for c in comparisons)
+    assert "## Paired comparisons" in (tmp_path / "table.md").read_text()

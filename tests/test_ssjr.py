@@ -358,8 +358,9 @@ def test_mjlab_npz_layouts(tmp_path):
     for m in (a, b):
         assert m.fps == 50 and np.allclose(m.dof_pos, q29) and np.allclose(m.root_quat, wxyz)
     np.savez(tmp_path / "c.npz", fps=50, joint_pos=q29)
-    with pytest.raises(ssjr.InputError, match="no root pose"):
+    with pytest.raises(ssjr.InputError, match="no root pose") as e:
         ssjr.load_motions(tmp_path / "c.npz")
+    assert str(e.value).startswith(f"{tmp_path / 'c.npz'}: ")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -423,7 +424,8 @@ def test_folder_with_a_bad_file_converts_the_rest(tmp_path):
     reports = {r.clip: r for r in ssjr.convert(convert_args(tmp_path, folder, fps=30.0))}
     assert set(reports) == {"good", "bad"}
     assert reports["good"].kept == 1 and (tmp_path / "out" / "good_seg00.npz").exists()
-    assert "23-DoF" in reports["bad"].error
+    assert reports["bad"].error.startswith(f"{folder / 'bad.csv'}: 23-DoF data where 29 are required; pass "
+                                           "--allow-23dof") and reports["bad"].kept == 0
 
 
 def test_bvh_with_an_infinite_frame_time_is_a_clear_error(tmp_path):
@@ -431,8 +433,9 @@ def test_bvh_with_an_infinite_frame_time_is_a_clear_error(tmp_path):
     start = text.index("Frame Time:")
     bad = tmp_path / "inf.bvh"
     bad.write_text(text[:start] + "Frame Time: inf" + text[text.index("\n", start):])
-    with pytest.raises(ssjr.InputError, match="invalid frame rate"):
+    with pytest.raises(ssjr.InputError, match=r"invalid frame rate \(Frame Time inf\)") as e:
         ssjr.load_motions(bad)
+    assert str(e.value).startswith(f"{bad}: ")
 
 
 def test_two_sources_of_one_clip_name_and_stale_segments(tmp_path):
@@ -457,10 +460,10 @@ def test_unwritable_output_folder(tmp_path):
 
 def test_load_packet_rejects_non_packets(tmp_path):
     np.savez(tmp_path / "x.npz", fps=30.0)
-    with pytest.raises(ssjr.InputError, match="not an SSJR packet"):
+    with pytest.raises(ssjr.InputError, match=r"x.npz: not an SSJR packet: missing \[.*'dof_pos'"):
         ssjr.load_packet(tmp_path / "x.npz")
     (tmp_path / "y.npz").write_bytes(b"garbage")
-    with pytest.raises(ssjr.InputError, match="cannot read packet"):
+    with pytest.raises(ssjr.InputError, match="y.npz: cannot read packet"):
         ssjr.load_packet(tmp_path / "y.npz")
     # a keypoint command from before the stance reference was part of the packet
     old = {k: np.zeros((3, 11, 3)) if k == "keypoints_w" else np.array("x") for k in ssjr.HUMAN_KEYS[:6]}

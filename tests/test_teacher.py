@@ -106,7 +106,7 @@ def test_value_normalization_denormalizes_the_critic_for_gae():
 
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
-    with pytest.raises(ssjr.InputError, match="missing.pt"):
+    with pytest.raises(ssjr.InputError, match="missing.pt: checkpoint not found"):
         model.load_checkpoint(tmp_path / "missing.pt", "teacher")
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
@@ -114,9 +114,9 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
         model.load_checkpoint(junk, "teacher")
     other = tmp_path / "student.pt"
     torch.save({"kind": "student"}, other)
-    with pytest.raises(ValueError, match="expected a teacher checkpoint, found 'student'"):
+    with pytest.raises(ValueError, match="student.pt: expected a teacher checkpoint, found 'student'"):
         model.load_checkpoint(other, "teacher")
-    with pytest.raises(ValueError, match="layout mismatch for 'future'"):
+    with pytest.raises(ValueError, match="t.pt: observation layout mismatch for 'future'"):
         model.check_layout("t.pt", LAYOUT, {**LAYOUT, "future": [8, 500]}, teacher.TEACHER_OBS)
     ckpt = {"kind": "teacher", "args": {**dataclasses.asdict(small_args()), "warp_drive": 1}}  # another version's
     with pytest.raises(ValueError, match=r"newer.pt: settings \['warp_drive'\] are unknown"):
@@ -282,3 +282,26 @@ def test_both_stages_run_on_mujoco(train_packet, tmp_path):
     s_ckpt = torch.load(student.train(s_args), weights_only=False)
     assert s_ckpt["env_cfg"]["sim"] == "mujoco" and s_ckpt["global_step"] == 2 * 16 * 8
     assert read_log(tmp_path / "s")["iteration"] == [1, 2]
+
+
+def test_init_ckpt_starts_from_another_runs_actor(tmp_path, monkeypatch):
+    """--init-ckpt: the actor's weights of a teacher checkpoint, a fresh critic and counters (fine-tuning, e.g. with
+    --clamp-targets); a missing file is an error naming it before any env is built."""
+    from conftest import FakeEnv
+    per_it = 8 * 4
+    common = dict(num_envs=8, num_steps=4, minibatch_size=16, total_env_steps=per_it, torch_threads=1)
+    monkeypatch.setattr(teacher, "robot_motions", lambda motions: motions)  # no motion files: a FakeEnv plays
+    built = []
+    monkeypatch.setattr(envs, "make_env", lambda **k: built.append(k) or FakeEnv(LAYOUT, 8))
+    first = teacher.main(small_args(run_dir=str(tmp_path / "a"), seed=1, **common))
+    tuned = teacher.main(small_args(run_dir=str(tmp_path / "b"), init_ckpt=str(first), clamp_targets=True,
+                                    actor_lr=0.0, desired_kl=0.0, **common))  # the actor stays as it starts
+    a, b = (torch.load(p, weights_only=False) for p in (first, tuned))
+    assert built[-1]["clamp_targets"] and b["env_cfg"]["clamp_targets"] and not a["env_cfg"]["clamp_targets"]
+    assert (b["iteration"], b["global_step"]) == (1, per_it)
+    params = [k for k in a["model"] if k.startswith("actor.") and ".norms." not in k and "_norm." not in k]
+    assert params and all(torch.equal(a["model"][k], b["model"][k]) for k in params)
+    assert not torch.equal(a["model"]["critic.0.weight"], b["model"]["critic.0.weight"])  # trained afresh
+    with pytest.raises(ssjr.InputError, match="missing.pt: checkpoint not found"):
+        teacher.main(small_args(init_ckpt=str(tmp_path / "missing.pt"), **common))
+    assert len(built) == 2
