@@ -769,7 +769,7 @@ class TrackingEnv:
         self.frame0_share, self.clip_weights, self.grace_steps = 0.0, None, 0
         self.num_envs, self.device = n, dev = sim.num_envs, sim.device
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
-        kin = ssjr.G1Kinematics(device=dev)  # make_env's clamp_targets: the MJCF joint ranges, else None
+        kin = ssjr.G1Kinematics(device=dev) if clamp_targets else None  # make_env's clamp_targets: the MJCF ranges
         self.target_range_rad = (kin.dof_lower_rad, kin.dof_upper_rad) if clamp_targets else None
         self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
         self.tile_weights = tile_weights(terrain.tile_types, TERRAIN_MIX).to(dev)
