@@ -53,6 +53,7 @@ import shutil
 import tempfile
 import time
 import warnings
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +93,14 @@ CONTACT_TIMECONST_S = 0.02  # s, MuJoCo's default solref time constant: nominal 
 SELF_COLLISION = False  # faster, and retargeted dance clips often pass a hand through the torso (untrackable anyway)
 # The MuJoCo scene that envs.py and deploy.py both load: shipped, so a deployment steps the physics training saw.
 SCENE_XML = pathlib.Path(__file__).resolve().parent / "g1_scene.xml"
+
+
+def joint_range_rad(device="cpu") -> torch.Tensor:
+    """[2, 29]: the lower and upper ends of the joint ranges (rad, ssjr.DOF_NAMES order): g1_scene.xml's, the MJCF's."""
+    ranges = {j.get("name"): j.get("range") for j in ET.parse(SCENE_XML).iter("joint")}
+    return torch.tensor([[float(x) for x in ranges[n].split()] for n in ssjr.DOF_NAMES], device=device).T.contiguous()
+
+
 IMU_SENSORS = ("imu_ang_vel", "imu_upvector")  # the pelvis IMU: gyro (pelvis frame), world z axis in the pelvis frame
 _XYZW_FROM_WXYZ, _WXYZ_FROM_XYZW = [1, 2, 3, 0], [3, 0, 1, 2]  # quaternion component orders: Isaac Lab's xyzw, ours
 
@@ -769,8 +778,7 @@ class TrackingEnv:
         self.frame0_share, self.clip_weights, self.grace_steps = 0.0, None, 0
         self.num_envs, self.device = n, dev = sim.num_envs, sim.device
         self.kp, self.kd, self.effort_limit_nm = joint_table(dev)
-        kin = ssjr.G1Kinematics(device=dev) if clamp_targets else None  # make_env's clamp_targets: the MJCF ranges
-        self.target_range_rad = (kin.dof_lower_rad, kin.dof_upper_rad) if clamp_targets else None
+        self.clamp_targets, self.joint_range_rad = clamp_targets, joint_range_rad(dev)  # make_env's clamp_targets
         self.keypoint_ids = torch.tensor(ssjr.KEYPOINT_BODY_IDS, device=dev)
         self.tile_weights = tile_weights(terrain.tile_types, TERRAIN_MIX).to(dev)
         self.scan_xy, self.spawn_xy = SCAN_XY_M.to(dev), torch.as_tensor(terrain.spawn_xy_m, device=dev)
@@ -904,8 +912,8 @@ class TrackingEnv:
     def step(self, alpha: torch.Tensor):
         """One 50 Hz control step: PD targets alpha [N,29] -> (obs, reward [N], done [N], info)."""
         alpha, dev, psi = alpha.detach().to(self.device), self.device, self.psi
-        if self.target_range_rad is not None:  # the targets played, delayed and remembered are the clamped ones
-            alpha = alpha.clamp(*self.target_range_rad)
+        if self.clamp_targets:  # the targets played, delayed and remembered are the clamped ones
+            alpha = alpha.clamp(*self.joint_range_rad)
         s_before = self.sparse_buf[:, -1, :SPARSE_STATE_DIM]  # s_t, observed at the end of the last step
         kp, kd = self.kp * psi["kp_scale"][:, None], self.kd * psi["kd_scale"][:, None]
         push = self.step_count * CONTROL_DT_S >= self.next_push_s  # a kick every U[5, 10] s of episode time

@@ -105,7 +105,7 @@ GRID = {"delay5-6": {"delay_steps": (5, 6)}, "delay8": {"delay_steps": (8, 8)},
         "contact0.04": {"contact_timeconst_s": (0.04, 0.04)}}
 # m_t diagnostics: the policy's history H_t emptied (m_t from no evidence) or rolled across the envs (another episode's)
 M_T_PROBES = ("mt_empty", "mt_shuffled")
-CLIPPED = "clipped"  # cell: the robot side clamps the policy's PD targets to the MJCF joint ranges before playing them
+CLIPPED = "clipped"  # cell: the env clamps the PD targets to the joint ranges (envs.make_env's clamp_targets)
 AT_STOP_RAD = 0.01  # a joint this close to an end of its range sits at its stop
 PROBE_STEPS = (20, 160)  # --probe: the control steps of each episode whose features are collected
 RECORDED = ("body_pos_w", "ref_body_pos_w", "body_quat_w", "ref_body_quat_w")
@@ -572,7 +572,8 @@ def opened_env(env_cfg: dict, setting: Setting, motion_paths: list[pathlib.Path]
         **env_cfg, "sim": setting.sim, "terrain": setting.terrain, "contact_timeconst_s": contact,
         "dr": None if dr is None else dataclasses.replace(dr, noise_scale=setting.noise_scale, **psi),
         "motions": [str(p) for p in motion_paths], "num_envs": num_envs, "device": device, "seed": seed,
-        "start": "frame0", "exclude_test": False, "termination": "mean"}))
+        "start": "frame0", "exclude_test": False, "termination": "mean",
+        "clamp_targets": env_cfg.get("clamp_targets", False) or CLIPPED in setting.cells}))
 
 
 # --- 5. Rollouts. ---
@@ -597,9 +598,7 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int]]], max_
     """Roll `policy` in `env` (start='frame0'; `obs` from its first reset or env.reseed(seed): a second reset would
     skip clips) and yield each planned episode as `record` builds it; cells: the setting's (history_probe, CLIPPED)."""
     n, gen = env.num_envs, torch.Generator().manual_seed(env.seed) if "mt_shuffled" in cells else None
-    kin = ssjr.G1Kinematics(device=env.device)
-    lower, upper = kin.dof_lower_rad, kin.dof_upper_rad
-    clamp = CLIPPED in cells or env.target_range_rad is not None  # the env clamps too: record what it plays
+    lower, upper = env.joint_range_rad
     k, start = [0] * n, [0] * n  # current episode of each env, and the step it started at
     steps, base, step = [], 0, 0  # steps: per control step, CPU copies of the [N,...] arrays; steps[0] is step `base`
 
@@ -620,8 +619,8 @@ def run_episodes(env, obs: dict, policy, plan: list[list[tuple[int, int]]], max_
         stop_gap = torch.minimum(q - lower, upper - q).cpu()  # before the step moves the engine's joints
         with torch.no_grad():  # not inference_mode: the env keeps the actions in its state, and reseed writes there
             alpha = policy.act(history_probe(obs, cells, gen))
-            alpha = alpha.clamp(lower, upper) if clamp else alpha
             obs, _, done, info = env.step(alpha)
+            alpha = alpha.clamp(lower, upper) if env.clamp_targets else alpha  # what the env played
         steps.append({**{key: getattr(env, key).detach().to("cpu", torch.float32).clone() for key in RECORDED},
                       "target_excess_rad": torch.maximum(lower - alpha, alpha - upper).cpu(), "stop_gap_rad": stop_gap,
                       "joint_torque_nm": env.substep_tau[0].cpu().clone(),
@@ -705,7 +704,7 @@ def parity(args: Args) -> str:
         for t in range(args.max_steps or command.num_ticks - 1):
             inputs = controller.inputs(reading, command)
             (alpha_onnx, y_onnx), alpha = onnx_policy(inputs), torch_policy.act(obs)
-            alpha = alpha if env.target_range_rad is None else alpha.clamp(*env.target_range_rad)  # as played
+            alpha = alpha.clamp(*env.joint_range_rad) if env.clamp_targets else alpha  # what the env plays
             pos, quat = (x[0, 0] for x in env.sim.body_state()[:2])
             window = env.reference(env.window_steps)["body_pos"][0, :len(onnx_policy.keypoint_steps)]
             terms = [(k, obs[k][0]) for k in ("student_proprio", "history", "history_mask", "terrain")] + [

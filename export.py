@@ -128,8 +128,7 @@ def export(args: Args) -> pathlib.Path:
     inputs = tuple(torch.zeros(2, *v, dtype=torch.bool if k == "history_mask" else torch.float32)
                    for k, v in shapes.items())
     kp, kd, limit = envs.joint_table()
-    kin = ssjr.G1Kinematics()
-    clamp = [kin.dof_lower_rad.tolist(), kin.dof_upper_rad.tolist()] if ckpt["env_cfg"].get("clamp_targets") else None
+    clamp = envs.joint_range_rad().tolist() if ckpt["env_cfg"].get("clamp_targets") else None
     names = []
 
     def write(tmp: pathlib.Path):

@@ -190,7 +190,8 @@ def test_a_clamped_students_export_says_so_and_deploy_clamps_as_the_env_does(exp
     metas = [{p.key: json.loads(p.value) for p in onnx.load(str(f)).metadata_props} for f in (export[1], out)]
     kin = ssjr.G1Kinematics()
     assert metas[0]["alpha_clamp_rad"] is None
-    assert metas[1]["alpha_clamp_rad"] == [kin.dof_lower_rad.tolist(), kin.dof_upper_rad.tolist()]
+    assert metas[1]["alpha_clamp_rad"] == envs.joint_range_rad().tolist()
+    np.testing.assert_allclose(metas[1]["alpha_clamp_rad"], [kin.dof_lower_rad, kin.dof_upper_rad], atol=1e-6)
     policy = deploy.Policy(out)
     inputs = {i.name: np.zeros([1 if d == "batch" else d for d in i.shape][1:], bool if i.type == "tensor(bool)"
                                else np.float32) for i in policy.session.get_inputs()}

@@ -500,7 +500,7 @@ class ScriptedEnv:
         self.raise_at_step = raise_at_step
         self.obs_layout = {"proprio": [5, 3]}
         self.seeds, self.closed, self.steps = [], False, 0
-        self.device, self.target_range_rad, self.played = "cpu", None, []  # the targets step() received
+        self.device, self.clamp_targets, self.joint_range_rad = "cpu", False, envs.joint_range_rad()
         self.substep_tau = torch.full((4, num_envs, 29), -7.0)
         self.sim = type("Sim", (), {"dof_state": lambda _: (torch.zeros(num_envs, 29), torch.zeros(num_envs, 29))})()
 
@@ -524,7 +524,6 @@ class ScriptedEnv:
     def step(self, alpha):
         assert not self.closed, "stepped after close()"
         self.steps += 1
-        self.played.append(alpha.clone())
         if self.steps == self.raise_at_step:
             raise RuntimeError("engine exploded")
         n = self.num_envs
@@ -596,22 +595,32 @@ def test_joint_range_metrics():
     assert all(math.isnan(ev.episode_metrics(rec(pos, quat, pos, quat))[k]) for k in ev.JOINT_METRICS)  # deploy.py's
 
 
-def test_clipped_setting_plays_targets_within_the_joint_ranges():
+def test_clipped_setting_plays_targets_within_the_joint_ranges(monkeypatch):
+    """`:clipped` builds the env with clamp_targets (the env clamps: test_envs); run_episodes records the targets the
+    env played against the ranges, the joints' gaps to their stops and the torque there."""
     kin = ssjr.G1Kinematics()
+    torch.testing.assert_close(envs.joint_range_rad(), torch.stack([kin.dof_lower_rad, kin.dof_upper_rad]))
+    built = []
+    monkeypatch.setattr(envs, "make_env", lambda **k: built.append(k["clamp_targets"]) or ScriptedEnv(1, [3]))
+    for token in ("mujoco", "mujoco:clipped", "mujoco+dr:clipped"):
+        with ev.opened_env({"sim": "mujoco"}, ev.parse_setting(token, "mujoco"), [], 1, "cpu", 0):
+            pass
+    assert built == [False, True, True]
     beyond = (kin.dof_upper_rad + 0.1).clone()
     beyond[0] = kin.dof_lower_rad[0] - 0.2  # one target below its range, the others above
 
     class Beyond(ZeroPolicy):
         def act(self, obs):
             return beyond.expand(len(obs["proprio"]), -1)
-    for cells, outside in (((), True), ((ev.CLIPPED,), False)):
+    for clamp, outside in ((False, True), (True, False)):
         env = ScriptedEnv(2, [3, 3])
+        env.clamp_targets = clamp
         q = torch.zeros(2, 29)
         q[:, 0] = kin.dof_lower_rad[0] + 0.005  # joint 0 at its stop, the others off theirs
         env.sim = type("Sim", (), {"dof_state": lambda _: (q, torch.zeros(2, 29))})()
-        r = next(ev.run_episodes(env, env.reseed(0), Beyond(), ev.episode_plan(2, 2, 1), cells=cells))
-        played = torch.stack(env.played)
-        assert bool(((played > kin.dof_upper_rad) | (played < kin.dof_lower_rad)).all(-1).all()) == outside
+        r = next(ev.run_episodes(env, env.reseed(0), Beyond(), ev.episode_plan(2, 2, 1)))
+        excess = r["target_excess_rad"]
+        assert bool((excess > 0).all()) == outside and bool((excess <= 0).all()) == (not outside)
         np.testing.assert_allclose(r["target_excess_rad"][:, 0], 0.2 if outside else 0.0, atol=1e-6)
         m = ev.episode_metrics(r)
         assert (m["targets_outside_pct"], m["at_stop_pct"], m["stop_torque_nm"]) == (100.0 * outside, 100.0, 7.0)
@@ -680,8 +689,10 @@ def test_opened_env_is_the_checkpoint_env_cfg_with_the_setting_overrides(monkeyp
         contact = 0.04 if token == "genesis+dr:contact0.04" else None  # Genesis: one value per scene
         assert made[-1] == ({"sim": setting.sim, "motions": ["x.npz"], "terrain": setting.terrain, "dr": dr,
                              "num_envs": 3, "device": "cpu", "seed": 7, "start": "frame0", "exclude_test": False,
-                             "termination": "mean", "contact_timeconst_s": contact}, env)
+                             "termination": "mean", "contact_timeconst_s": contact, "clamp_targets": False}, env)
         assert env.closed
+    with ev.opened_env({**cfg, "clamp_targets": True}, ev.parse_setting("mujoco", "isaaclab"), [], 3, "cpu", 7):
+        assert made[-1][0]["clamp_targets"]  # a clamp-trained checkpoint's env clamps in every setting
     with pytest.raises(RuntimeError, match="boom"), ev.opened_env(cfg, setting, [], 3, "cpu", 7):
         raise RuntimeError("boom")
     assert made[-1][1].closed  # closed on an error too: Isaac Lab allows one live env per process
